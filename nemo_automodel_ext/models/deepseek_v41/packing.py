@@ -152,6 +152,163 @@ def round_up(values: torch.Tensor | int, alignment: int) -> torch.Tensor | int:
     return (values + (alignment - 1)) // alignment * alignment
 
 
+@dataclass(frozen=True)
+class PackedLayoutPlan:
+    """Validated per-document tables of a pack, before the row width is fixed.
+
+    ``packed_layout`` is ``plan_packed_layout(...).build(width)``; callers that must agree on a
+    width first (HybridEP's equal token count, a CP budget) read ``widest``, settle the width,
+    then build.
+
+    Attributes:
+        real: Real lengths [batch, documents], zero for absent documents.
+        physical: Physical spans in the caller's row [batch, documents], zero for absent documents.
+        aligned: Aligned spans [batch, documents], ``real`` rounded up to ``alignment``.
+        input_shape: Original [batch, sequence] dimensions.
+        alignment: Positive multiple of every aligned span.
+        widest: Widest row's aligned length (host int), without any minimum.
+    """
+
+    real: torch.Tensor
+    physical: torch.Tensor
+    aligned: torch.Tensor
+    input_shape: tuple[int, int]
+    alignment: int
+    widest: int
+
+    def width(self, minimum_length: int = 0) -> int:
+        """Row width of the built layout: the widest row, at least ``minimum_length`` and one group."""
+        return round_up(max(_as_int(minimum_length, "minimum_length"), 1, self.widest), self.alignment)
+
+    def build(self, width: int) -> PackedSequenceLayout:
+        """Materialise the layout with rows of exactly ``width`` columns.
+
+        Args:
+            width: Row width, a multiple of ``alignment`` no smaller than ``widest``.
+
+        Returns:
+            PackedSequenceLayout with new int64 tensors [batch, width] (and [batch, sequence] for
+            ``input_positions``) on the plan's device. No host read happens here.
+        """
+        width = _as_int(width, "width")
+        if width < self.widest or width % self.alignment:
+            raise ValueError(
+                f"width must be a multiple of alignment={self.alignment} no smaller than the widest row "
+                f"({self.widest}), got {width}"
+            )
+        batch, sequence = self.input_shape
+        real, physical, aligned = self.real, self.physical, self.aligned
+        documents = real.shape[1]
+        device = real.device
+        old_ends = physical.cumsum(1)
+        row_widths = aligned.sum(1)
+        # Per-document tables, with one extra slot per row that owns the row's trailing padding.
+        # Flat slot k = row * (documents + 1) + document; the padding slot has no real tokens.
+        zero = real.new_zeros(batch, 1)
+        used = old_ends[:, -1:] if documents else zero
+        new_starts = torch.cat([aligned.cumsum(1) - aligned, row_widths.unsqueeze(1)], 1).view(-1)
+        old_starts = torch.cat([old_ends - physical, used], 1).view(-1)
+        slot_real = torch.cat([real, zero], 1).view(-1)
+        ordinals = torch.arange(1, documents + 1, device=device).expand(batch, documents)
+        ordinals = torch.cat([ordinals, zero], 1).view(-1)
+        # int32 slot numbers halve the traffic of the per-column owner tables.
+        slots = torch.arange(batch * (documents + 1), device=device, dtype=torch.int32)
+
+        # Packed side: every aligned column belongs to exactly one slot.
+        repeats = torch.cat([aligned, (width - row_widths).unsqueeze(1)], 1).view(-1)
+        take = partial(_take, slots.repeat_interleave(repeats, output_size=batch * width), (batch, width))
+        columns = torch.arange(width, device=device)
+        padding = columns >= take(new_starts + slot_real)
+        position_ids = take(new_starts).neg_().add_(columns).masked_fill_(padding, 0)
+        source_indices = take(old_starts - new_starts).add_(columns).masked_fill_(padding, -1)
+        sequence_ids = take(ordinals).masked_fill_(padding, 0)
+
+        # Caller side: every original column belongs to one physical span or to the trailing padding.
+        repeats = torch.cat([physical, sequence - used], 1).view(-1)
+        take = partial(_take, slots.repeat_interleave(repeats, output_size=batch * sequence), (batch, sequence))
+        columns = torch.arange(sequence, device=device)
+        discarded = columns >= take(old_starts + slot_real)
+        input_positions = take(new_starts - old_starts).add_(columns).masked_fill_(discarded, -1)
+        return PackedSequenceLayout(source_indices, input_positions, position_ids, sequence_ids)
+
+
+def plan_packed_layout(
+    seq_lens: torch.Tensor,
+    seq_lens_padded: torch.Tensor | None,
+    input_shape: tuple[int, int],
+    alignment: int,
+) -> PackedLayoutPlan:
+    """Validate packed spans and compute aligned document spans, with one device-to-host read.
+
+    Args:
+        seq_lens: Integer real document lengths [batch, documents] or [documents] for batch one.
+            Zero and -1000 entries denote absent documents.
+        seq_lens_padded: Optional integer physical span lengths with the same shape.
+        input_shape: Original [batch, sequence] dimensions.
+        alignment: Positive multiple for each document's physical span.
+
+    Returns:
+        PackedLayoutPlan on seq_lens.device; its tensors are new, caller tensors are never mutated.
+
+    Raises:
+        ValueError: as documented by ``packed_layout``.
+    """
+    alignment = _as_int(alignment, "alignment")
+    if alignment < 1:
+        raise ValueError(f"alignment must be a positive integer, got {alignment}")
+    try:
+        batch, sequence = (_as_int(size, "input_shape") for size in input_shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"input_shape must be two integers [batch, sequence], got {input_shape!r}") from None
+    if batch < 0 or sequence < 0:
+        raise ValueError(f"input_shape must be non-negative [batch, sequence], got {tuple(input_shape)}")
+    if not isinstance(seq_lens, torch.Tensor):
+        raise ValueError(f"seq_lens must be a torch.Tensor of document lengths, got {type(seq_lens).__name__}")
+    device = seq_lens.device
+    lengths = _document_matrix(seq_lens, "seq_lens", batch, device)
+    if seq_lens_padded is None:
+        spans = lengths
+    else:
+        spans = _document_matrix(seq_lens_padded, "seq_lens_padded", batch, device)
+        if spans.shape != lengths.shape:
+            raise ValueError(
+                f"seq_lens_padded must match seq_lens [batch, documents]={tuple(lengths.shape)}, "
+                f"got {tuple(seq_lens_padded.shape)}"
+            )
+
+    present = (lengths != ABSENT_LENGTHS[0]) & (lengths != ABSENT_LENGTHS[1])
+    real = lengths.where(present, 0)
+    physical = spans.where(present, 0)
+    aligned = round_up(real, alignment)
+    old_ends = physical.cumsum(1)
+    row_widths = aligned.sum(1)
+
+    span_absent = (spans == ABSENT_LENGTHS[0]) | (spans == ABSENT_LENGTHS[1])
+    # One device-to-host read: the widest row together with the validation flags.
+    flags = torch.stack(
+        [
+            (~present & ~span_absent).any(),
+            (present & (lengths < 0)).any(),
+            (present & (spans < lengths)).any(),
+            (present & (old_ends > sequence)).any(),
+        ]
+    ).long()
+    widest = torch.cat([row_widths, row_widths.new_zeros(1)]).max().unsqueeze(0)
+    absent_with_span, negative, short_span, past_row, widest = torch.cat([flags, widest]).tolist()
+    if absent_with_span:
+        raise ValueError("seq_lens_padded: an absent document (seq_lens 0 or -1000) cannot have a physical span")
+    if negative:
+        raise ValueError("seq_lens must not contain negative lengths other than the absent marker -1000")
+    if short_span:
+        raise ValueError("seq_lens_padded must be at least seq_lens for every present document")
+    if past_row:
+        raise ValueError(
+            f"seq_lens{'_padded' if seq_lens_padded is not None else ''} spans exceed the input row of "
+            f"{sequence} tokens (input_shape[1])"
+        )
+    return PackedLayoutPlan(real, physical, aligned, (batch, sequence), alignment, widest)
+
+
 def packed_layout(
     seq_lens: torch.Tensor,
     seq_lens_padded: torch.Tensor | None,
@@ -179,91 +336,15 @@ def packed_layout(
             lengths, mismatched shapes, negative lengths, a span shorter than its length, spans
             past the row, or an absent document with a physical span.
     """
-    alignment = _as_int(alignment, "alignment")
-    if alignment < 1:
-        raise ValueError(f"alignment must be a positive integer, got {alignment}")
-    minimum_length = _as_int(minimum_length, "minimum_length")
-    try:
-        batch, sequence = (_as_int(size, "input_shape") for size in input_shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"input_shape must be two integers [batch, sequence], got {input_shape!r}") from None
-    if batch < 0 or sequence < 0:
-        raise ValueError(f"input_shape must be non-negative [batch, sequence], got {tuple(input_shape)}")
-    if not isinstance(seq_lens, torch.Tensor):
-        raise ValueError(f"seq_lens must be a torch.Tensor of document lengths, got {type(seq_lens).__name__}")
-    device = seq_lens.device
-    lengths = _document_matrix(seq_lens, "seq_lens", batch, device)
-    if seq_lens_padded is None:
-        spans = lengths
-    else:
-        spans = _document_matrix(seq_lens_padded, "seq_lens_padded", batch, device)
-        if spans.shape != lengths.shape:
-            raise ValueError(
-                f"seq_lens_padded must match seq_lens [batch, documents]={tuple(lengths.shape)}, "
-                f"got {tuple(seq_lens_padded.shape)}"
-            )
-    documents = lengths.shape[1]
-
-    present = (lengths != ABSENT_LENGTHS[0]) & (lengths != ABSENT_LENGTHS[1])
-    real = lengths.where(present, 0)
-    physical = spans.where(present, 0)
-    aligned = round_up(real, alignment)
-    old_ends = physical.cumsum(1)
-    new_ends = aligned.cumsum(1)
-    row_widths = aligned.sum(1)
-
-    span_absent = (spans == ABSENT_LENGTHS[0]) | (spans == ABSENT_LENGTHS[1])
-    # One device-to-host read: the widest row together with the validation flags.
-    flags = torch.stack(
-        [
-            (~present & ~span_absent).any(),
-            (present & (lengths < 0)).any(),
-            (present & (spans < lengths)).any(),
-            (present & (old_ends > sequence)).any(),
-        ]
-    ).long()
-    widest = torch.cat([row_widths, row_widths.new_zeros(1)]).max().unsqueeze(0)
-    absent_with_span, negative, short_span, past_row, widest = torch.cat([flags, widest]).tolist()
-    if absent_with_span:
-        raise ValueError("seq_lens_padded: an absent document (seq_lens 0 or -1000) cannot have a physical span")
-    if negative:
-        raise ValueError("seq_lens must not contain negative lengths other than the absent marker -1000")
-    if short_span:
-        raise ValueError("seq_lens_padded must be at least seq_lens for every present document")
-    if past_row:
-        raise ValueError(
-            f"seq_lens{'_padded' if seq_lens_padded is not None else ''} spans exceed the input row of "
-            f"{sequence} tokens (input_shape[1])"
-        )
-    width = round_up(max(minimum_length, 1, widest), alignment)
-
-    # Per-document tables, with one extra slot per row that owns the row's trailing padding.
-    # Flat slot k = row * (documents + 1) + document; the padding slot has no real tokens.
-    zero = lengths.new_zeros(batch, 1)
-    used = old_ends[:, -1:] if documents else zero
-    new_starts = torch.cat([new_ends - aligned, row_widths.unsqueeze(1)], 1).view(-1)
-    old_starts = torch.cat([old_ends - physical, used], 1).view(-1)
-    slot_real = torch.cat([real, zero], 1).view(-1)
-    ordinals = torch.cat([torch.arange(1, documents + 1, device=device).expand(batch, documents), zero], 1).view(-1)
-    # int32 slot numbers halve the traffic of the per-column owner tables.
-    slots = torch.arange(batch * (documents + 1), device=device, dtype=torch.int32)
-
-    # Packed side: every aligned column belongs to exactly one slot.
-    repeats = torch.cat([aligned, (width - row_widths).unsqueeze(1)], 1).view(-1)
-    take = partial(_take, slots.repeat_interleave(repeats, output_size=batch * width), (batch, width))
-    columns = torch.arange(width, device=device)
-    padding = columns >= take(new_starts + slot_real)
-    position_ids = take(new_starts).neg_().add_(columns).masked_fill_(padding, 0)
-    source_indices = take(old_starts - new_starts).add_(columns).masked_fill_(padding, -1)
-    sequence_ids = take(ordinals).masked_fill_(padding, 0)
-
-    # Caller side: every original column belongs to one physical span or to the trailing padding.
-    repeats = torch.cat([physical, sequence - used], 1).view(-1)
-    take = partial(_take, slots.repeat_interleave(repeats, output_size=batch * sequence), (batch, sequence))
-    columns = torch.arange(sequence, device=device)
-    discarded = columns >= take(old_starts + slot_real)
-    input_positions = take(new_starts - old_starts).add_(columns).masked_fill_(discarded, -1)
-    return PackedSequenceLayout(source_indices, input_positions, position_ids, sequence_ids)
+    plan = plan_packed_layout(seq_lens, seq_lens_padded, input_shape, alignment)
+    return plan.build(plan.width(minimum_length))
 
 
-__all__ = ["ABSENT_LENGTHS", "PackedSequenceLayout", "packed_layout", "round_up"]
+__all__ = [
+    "ABSENT_LENGTHS",
+    "PackedLayoutPlan",
+    "PackedSequenceLayout",
+    "packed_layout",
+    "plan_packed_layout",
+    "round_up",
+]

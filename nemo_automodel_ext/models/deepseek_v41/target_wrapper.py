@@ -1,0 +1,140 @@
+"""DSpark target wrapper for DeepSeek V4.1 that captures packed batches without a 4-D mask.
+
+nemo_automodel 0.7.0's ``HFDSparkTargetModel`` turns ``seq_lens`` into a block-causal
+[batch, 1, sequence, sequence] additive mask, which V4.1's forward refuses. This subclass
+keeps upstream's capture points (the model-owned ``get_dspark_target_feature_modules``
+pre-hooks and the final norm) and stream reduction, and runs packed batches through
+``dspark_packed_forward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from nemo_automodel.components.speculative.dspark.target import DSparkTargetBatch, HFDSparkTargetModel
+
+from nemo_automodel_ext.models.deepseek_v41.dspark_target import require_v41_target, dspark_packed_forward
+
+
+class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
+    """Frozen V4.1 DSpark target: hooked feature capture on packed or unpacked batches.
+
+    Args:
+        model: ``DeepseekV41ForCausalLM`` target; put in eval mode with gradients disabled.
+        target_layer_ids: Strictly increasing decoder-layer indices whose pre-attention
+            residual streams form the draft context.
+        cp_mesh: Reserved for context parallelism; must be None or a one-rank mesh here.
+    """
+
+    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int], cp_mesh=None):
+        require_v41_target(model)
+        if cp_mesh is not None and cp_mesh.size() > 1:
+            raise ValueError(
+                "DeepseekV41DSparkTargetModel does not shard the target itself; context parallelism "
+                "shards the packed batch with the model's CP sharder before capture"
+            )
+        # The model's own check raises a ValueError naming the rule (upstream's generic one asserts).
+        model.get_dspark_target_feature_modules(list(target_layer_ids))
+        # Upstream's CP hooks patch HF SDPA attention, which V4.1 does not use: never pass a mesh up.
+        super().__init__(model, target_layer_ids, cp_mesh=None)
+        if self._target_feature_modules is None:
+            raise ValueError("DeepSeek V4.1 targets must provide get_dspark_target_feature_modules")
+        self.model.requires_grad_(False)
+
+    def _capture(
+        self, run: Callable[[], Callable[[torch.Tensor], torch.Tensor]]
+    ) -> tuple[dict[object, torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """Run ``run`` with the capture hooks installed; map every capture through its returned restore.
+
+        Args:
+            run: Runs the forward and returns the map from captured [batch, run_sequence, ...]
+                tensors to caller coordinates [batch, sequence, ...].
+
+        Returns:
+            The captures in run coordinates, ``{layer_id: [batch, run_sequence, hidden]}`` (stream
+            means) and ``{"norm": [batch, run_sequence, hidden]}``, and ``run``'s restore map.
+        """
+        captured: dict[object, torch.Tensor] = {}
+
+        def feature_hook(layer_id: int):
+            def hook(_module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+                if not inputs:
+                    raise RuntimeError(f"DSpark target feature module for layer {layer_id} received no input")
+                # Reduce [batch, run_sequence, streams, hidden] at once: only the reduction is kept alive.
+                captured[layer_id] = self._collapse_hc_streams(inputs[0])
+
+            return hook
+
+        def norm_hook(_module: nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            captured["norm"] = output[0] if isinstance(output, tuple) else output
+
+        handles = [
+            module.register_forward_pre_hook(feature_hook(layer_id))
+            for layer_id, module in zip(self.target_layer_ids, self._target_feature_modules, strict=True)
+        ]
+        handles.append(self._get_final_norm().register_forward_hook(norm_hook))
+        try:
+            restore = run()
+        finally:
+            for handle in handles:
+                handle.remove()
+        if "norm" not in captured or any(layer_id not in captured for layer_id in self.target_layer_ids):
+            raise RuntimeError("DSpark target capture did not record every requested feature")
+        return captured, restore
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+        **mm_kwargs: torch.Tensor,
+    ) -> DSparkTargetBatch:
+        """Run the target once and capture the DSpark context and final hidden state.
+
+        Args:
+            input_ids: Token IDs [batch, sequence].
+            attention_mask: Binary right-padding mask [batch, sequence]; used on the unpacked path.
+            loss_mask: Supervised-token mask [batch, sequence], passed through.
+            position_ids: Optional per-document positions [batch, sequence], passed through
+                (the packed layout derives its own).
+            seq_lens: Optional packed document lengths [batch, documents]; each row sums to sequence.
+            doc_remaining: Optional [batch, sequence] packing metadata, passed through.
+            **mm_kwargs: Must be empty: V4.1 DSpark capture is text-only.
+
+        Returns:
+            DSparkTargetBatch with target_hidden_states [batch, sequence, len(target_layer_ids) * hidden]
+            (stream means of each layer's pre-attention residual, as upstream reduces them),
+            target_last_hidden_states [batch, sequence, hidden] (final-norm output), zero at packed
+            padding slots, and the unmodified caller tensors.
+        """
+        if mm_kwargs:
+            raise ValueError(
+                f"DeepSeek V4.1 DSpark capture is text-only; got image inputs {sorted(mm_kwargs)}"
+            )
+
+        def run() -> Callable[[torch.Tensor], torch.Tensor]:
+            if seq_lens is not None:
+                return dspark_packed_forward(self.model, input_ids, seq_lens).restore
+            self.model(input_ids, attention_mask=attention_mask, logits_to_keep=1)
+            return lambda values: values
+
+        captured, restore = self._capture(run)
+        features = torch.cat([captured[layer_id] for layer_id in self.target_layer_ids], dim=-1)
+        return DSparkTargetBatch(
+            target_hidden_states=restore(features),
+            target_last_hidden_states=restore(captured["norm"]),
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            position_ids=position_ids,
+            seq_lens=seq_lens,
+            doc_remaining=doc_remaining,
+        )
+
+
+__all__ = ["DeepseekV41DSparkTargetModel"]

@@ -1,0 +1,60 @@
+"""A tiny, randomly initialised DeepSeek V4.1 target for CPU tests and the CPU demo recipe.
+
+The config ships with the package (``configs/tiny_target.json``): 6 layers, hidden 16,
+compress_ratios [0, 0, 4, 4, 1, 1] (packed alignment 4), one DSpark draft layer.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+import torch
+from nemo_automodel.components.models.common import BackendConfig
+from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+TINY_TARGET_CONFIG = "configs/tiny_target.json"
+
+
+def cpu_backend(**overrides: Any) -> BackendConfig:
+    """The CPU backend every CPU test and the tiny recipe use (eager attention, torch dispatcher)."""
+    settings = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch_mm", dispatcher="torch")
+    settings.update(overrides)
+    return BackendConfig(**settings)
+
+
+def tiny_target_config(**text_overrides: Any) -> DeepseekV41Config:
+    """The shipped tiny V4.1 config, with optional ``text_config`` overrides."""
+    raw = json.loads(resources.files(__package__).joinpath(TINY_TARGET_CONFIG).read_text())
+    raw.pop("model_type")
+    raw["text_config"].update(text_overrides)
+    return DeepseekV41Config(**raw)
+
+
+def build_tiny_target(
+    seed: int = 0, config: DeepseekV41Config | None = None, backend: BackendConfig | None = None
+) -> DeepseekV41ForCausalLM:
+    """Build and randomly initialise the tiny fp32 target in eval mode.
+
+    Args:
+        seed: Seed for the weight initialisation; equal seeds give equal weights on every rank.
+        config: Config to build (defaults to ``tiny_target_config()``).
+        backend: Backend (defaults to ``cpu_backend()``).
+
+    Returns:
+        A new ``DeepseekV41ForCausalLM`` on CPU.
+    """
+    config = tiny_target_config() if config is None else config
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = DeepseekV41ForCausalLM(config, backend=backend or cpu_backend())
+        model.initialize_weights(dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    return model.eval()
+
+
+__all__ = ["TINY_TARGET_CONFIG", "build_tiny_target", "cpu_backend", "tiny_target_config"]

@@ -1,0 +1,63 @@
+"""Shared fixtures: the tiny V4.1 target and a two-process gloo launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_gloo(script: Path, *args: str, world_size: int = 2, timeout: float = 300) -> None:
+    """Run ``script`` as ``world_size`` gloo ranks on 127.0.0.1 and fail with their output if any rank fails."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    outputs, failed = [], False
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            out, _ = proc.communicate()
+            failed = True
+        outputs.append(f"--- rank {rank} (exit {proc.returncode}) ---\n{out[-6000:]}")
+        failed = failed or proc.returncode != 0
+    if failed:
+        pytest.fail("gloo ranks failed:\n" + "\n".join(outputs))
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """The shipped tiny V4.1 target (fp32, eval, seed 0); tests must not modify it."""
+    from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target
+
+    return build_tiny_target(seed=0)
+
+
+@pytest.fixture
+def gloo():
+    """``gloo(script, *args)``: run a worker script as two gloo ranks (see run_gloo)."""
+    return run_gloo

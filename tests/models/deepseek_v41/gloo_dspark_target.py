@@ -1,0 +1,93 @@
+"""Worker for two-rank gloo tests of the DSpark target (launched by tests/conftest.run_gloo).
+
+Scenarios:
+  layout   - sync_across_ranks on very different documents: equal widths, exact own layout.
+  forward  - HybridEP-reporting target: equal packed widths; features equal each document alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from nemo_automodel_ext.models.deepseek_v41.dspark_target import aligned_packed_layout, dspark_packed_forward
+from nemo_automodel_ext.models.deepseek_v41.packing import packed_layout
+from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
+from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target
+
+# Rank 0 holds short documents whose lengths are not multiples of 4; rank 1 one long document.
+LENGTHS = {0: [[3, 5, 1, 0], [2, 7, 0, 0]], 1: [[9, 0, 0, 0], [4, 4, 1, 0]]}
+
+
+def gather_widths(width: int) -> list[int]:
+    widths = [None] * dist.get_world_size()
+    dist.all_gather_object(widths, width)
+    return widths
+
+
+def scenario_layout(rank: int) -> None:
+    seq_lens = torch.tensor(LENGTHS[rank])
+    layout = aligned_packed_layout(seq_lens, (2, 9), 4, sync_across_ranks=True)
+    widths = gather_widths(layout.source_indices.shape[1])
+    assert widths[0] == widths[1], widths
+    local = packed_layout(seq_lens, None, (2, 9), 4, minimum_length=9)
+    expected = packed_layout(seq_lens, None, (2, 9), 4, minimum_length=widths[0])
+    assert layout.source_indices.shape[1] >= local.source_indices.shape[1]
+    for field in ("source_indices", "input_positions", "position_ids", "sequence_ids"):
+        assert torch.equal(getattr(layout, field), getattr(expected, field)), field
+    unsynced = aligned_packed_layout(seq_lens, (2, 9), 4, sync_across_ranks=False)
+    assert unsynced.source_indices.shape[1] == local.source_indices.shape[1]
+    # Very different local widths (16 vs 12): the sync really changed something on rank 1.
+    assert gather_widths(unsynced.source_indices.shape[1]) == [16, 12]
+
+
+def scenario_forward(rank: int) -> None:
+    model = build_tiny_target(seed=0)
+    # A test double: the MoE dispatcher stays "torch" on CPU, but the target reports HybridEP,
+    # which is what switches dspark_packed_forward to rank-synchronised widths.
+    model.backend = dataclasses.replace(model.backend, dispatcher="hybridep")
+    wrapper = DeepseekV41DSparkTargetModel(model, model.config.text_config.dspark_target_layer_ids)
+    generator = torch.Generator().manual_seed(100 + rank)
+    seq_lens = torch.tensor(LENGTHS[rank])
+    input_ids = torch.randint(4, 500, (2, 9), generator=generator)
+    layout = dspark_packed_forward(model, input_ids, seq_lens)
+    widths = gather_widths(layout.source_indices.shape[1])
+    assert widths[0] == widths[1] == 16, widths
+    batch = wrapper.generate_batch(input_ids, torch.ones_like(input_ids), torch.ones_like(input_ids), seq_lens=seq_lens)
+    for row in range(2):
+        start = 0
+        for length in seq_lens[row].tolist():
+            if length <= 0:
+                continue
+            alone = wrapper.generate_batch(
+                input_ids[row : row + 1, start : start + length],
+                torch.ones(1, length, dtype=torch.long),
+                torch.ones(1, length, dtype=torch.long),
+            )
+            torch.testing.assert_close(
+                batch.target_hidden_states[row, start : start + length], alone.target_hidden_states[0], atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                batch.target_last_hidden_states[row, start : start + length],
+                alone.target_last_hidden_states[0],
+                atol=1e-5,
+                rtol=0,
+            )
+            start += length
+
+
+def main() -> None:
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        {"layout": scenario_layout, "forward": scenario_forward}[sys.argv[1]](dist.get_rank())
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
