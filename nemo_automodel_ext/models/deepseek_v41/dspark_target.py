@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-from nemo_automodel_ext.models.deepseek_v41.packing import PackedSequenceLayout, plan_packed_layout
+from nemo_automodel_ext.models.deepseek_v41.packing import PackedSequenceLayout, plan_packed_layout, round_up
 
 _TOKEN_DTYPES = (torch.int32, torch.int64)
 
@@ -97,10 +97,21 @@ def aligned_packed_layout(
     Raises:
         ValueError: for the inputs ``packed_layout`` refuses, naming the argument and the rule.
     """
+    return _aligned_layout(seq_lens, input_shape, alignment, sync_across_ranks)
+
+
+def _aligned_layout(
+    seq_lens: torch.Tensor,
+    input_shape: tuple[int, int],
+    alignment: int,
+    sync_across_ranks: bool,
+    width_multiple: int = 1,
+) -> PackedSequenceLayout:
+    """``aligned_packed_layout`` whose width is also a multiple of ``width_multiple`` (CP shards)."""
     if not isinstance(sync_across_ranks, bool):
         raise ValueError(f"sync_across_ranks must be a bool, got {sync_across_ranks!r}")
     plan = plan_packed_layout(seq_lens, None, input_shape, alignment)
-    width = plan.width(minimum_length=plan.input_shape[1])
+    width = round_up(plan.width(minimum_length=plan.input_shape[1]), math.lcm(plan.alignment, width_multiple))
     if sync_across_ranks:
         width = max_over_ranks(width)
     return plan.build(width)
@@ -141,6 +152,38 @@ def _validate_forward_inputs(model: DeepseekV41ForCausalLM, input_ids: torch.Ten
         )
 
 
+def prepare_packed_inputs(
+    model: DeepseekV41ForCausalLM, input_ids: torch.Tensor, seq_lens: torch.Tensor, width_multiple: int = 1
+) -> tuple[PackedSequenceLayout, dict[str, torch.Tensor]]:
+    """Validate a packed batch and build the aligned forward inputs of ``dspark_packed_forward``.
+
+    Args:
+        model: ``DeepseekV41ForCausalLM`` target.
+        input_ids: Token IDs [batch, sequence].
+        seq_lens: Document lengths [batch, documents], rows summing to ``sequence``.
+        width_multiple: Extra multiple for the aligned width (the CP sharder's divisor).
+
+    Returns:
+        The layout and new tensors ``input_ids`` (pad-filled), ``attention_mask`` (bool),
+        ``position_ids`` and ``packed_seq_ids``, all [batch, aligned_sequence].
+    """
+    _validate_forward_inputs(model, input_ids, seq_lens)
+    layout = _aligned_layout(
+        seq_lens.to(input_ids.device),
+        tuple(input_ids.shape),
+        compression_alignment(model),
+        uses_hybridep(model),
+        width_multiple,
+    )
+    inputs = {
+        "input_ids": layout.pack(input_ids, fill=model.config.text_config.pad_token_id or 0),
+        "attention_mask": layout.sequence_ids > 0,
+        "position_ids": layout.position_ids,
+        "packed_seq_ids": layout.sequence_ids,
+    }
+    return layout, inputs
+
+
 def dspark_packed_forward(model: nn.Module, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> PackedSequenceLayout:
     """Run a frozen DeepSeek V4.1 forward on packed rows for DSpark feature capture.
 
@@ -165,22 +208,9 @@ def dspark_packed_forward(model: nn.Module, input_ids: torch.Tensor, seq_lens: t
             ``seq_lens`` that do not sum to ``sequence``, or image tokens.
     """
     target = require_v41_target(model)
-    _validate_forward_inputs(target, input_ids, seq_lens)
-    layout = aligned_packed_layout(
-        seq_lens.to(input_ids.device),
-        tuple(input_ids.shape),
-        compression_alignment(target),
-        sync_across_ranks=uses_hybridep(target),
-    )
-    pad_token_id = target.config.text_config.pad_token_id or 0
+    layout, inputs = prepare_packed_inputs(target, input_ids, seq_lens)
     with torch.no_grad():
-        target(
-            layout.pack(input_ids, fill=pad_token_id),
-            attention_mask=layout.sequence_ids > 0,
-            position_ids=layout.position_ids,
-            packed_seq_ids=layout.sequence_ids,
-            logits_to_keep=1,
-        )
+        target(**inputs, logits_to_keep=1)
     return layout
 
 
@@ -189,6 +219,7 @@ __all__ = [
     "compression_alignment",
     "dspark_packed_forward",
     "max_over_ranks",
+    "prepare_packed_inputs",
     "require_v41_target",
     "uses_hybridep",
 ]

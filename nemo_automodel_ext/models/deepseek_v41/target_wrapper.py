@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from nemo_automodel.components.speculative.dspark.target import DSparkTargetBatch, HFDSparkTargetModel
 
-from nemo_automodel_ext.models.deepseek_v41.dspark_target import require_v41_target, dspark_packed_forward
+from nemo_automodel_ext.models.deepseek_v41.cp import dspark_packed_forward_cp
+from nemo_automodel_ext.models.deepseek_v41.dspark_target import dspark_packed_forward, require_v41_target
 
 
 class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
@@ -25,20 +27,17 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
         model: ``DeepseekV41ForCausalLM`` target; put in eval mode with gradients disabled.
         target_layer_ids: Strictly increasing decoder-layer indices whose pre-attention
             residual streams form the draft context.
-        cp_mesh: Reserved for context parallelism; must be None or a one-rank mesh here.
+        cp_mesh: Optional context-parallel mesh. With more than one rank, packed batches are
+            sharded contiguously over it and the captures gathered back (see ``cp.py``).
     """
 
-    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int], cp_mesh=None):
+    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int], cp_mesh: DeviceMesh | None = None):
         require_v41_target(model)
-        if cp_mesh is not None and cp_mesh.size() > 1:
-            raise ValueError(
-                "DeepseekV41DSparkTargetModel does not shard the target itself; context parallelism "
-                "shards the packed batch with the model's CP sharder before capture"
-            )
         # The model's own check raises a ValueError naming the rule (upstream's generic one asserts).
         model.get_dspark_target_feature_modules(list(target_layer_ids))
         # Upstream's CP hooks patch HF SDPA attention, which V4.1 does not use: never pass a mesh up.
         super().__init__(model, target_layer_ids, cp_mesh=None)
+        self.cp_mesh = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
         if self._target_feature_modules is None:
             raise ValueError("DeepSeek V4.1 targets must provide get_dspark_target_feature_modules")
         self.model.requires_grad_(False)
@@ -118,7 +117,15 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
                 f"DeepSeek V4.1 DSpark capture is text-only; got image inputs {sorted(mm_kwargs)}"
             )
 
+        if self.cp_mesh is not None and seq_lens is None:
+            raise ValueError(
+                "context parallelism for the V4.1 DSpark target needs packed batches (seq_lens); "
+                "set recipe_args.packed_sequence_size > 0 or distributed.cp_size=1"
+            )
+
         def run() -> Callable[[torch.Tensor], torch.Tensor]:
+            if self.cp_mesh is not None:
+                return dspark_packed_forward_cp(self.model, input_ids, seq_lens, self.cp_mesh)[1]
             if seq_lens is not None:
                 return dspark_packed_forward(self.model, input_ids, seq_lens).restore
             self.model(input_ids, attention_mask=attention_mask, logits_to_keep=1)

@@ -260,3 +260,7 @@ def test_two_ranks_sync_layout_width(gloo):
 
 def test_two_ranks_hybridep_forward_features(gloo):
     gloo(WORKER, "forward")
+
+
+def test_two_ranks_cp_features_and_loss_match_single_rank(gloo):
+    gloo(Path(__file__).with_name("gloo_cp.py"))
