@@ -17,14 +17,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# The framework CLI under torchrun: `automodel <yaml>` alone asks CUDA for a device count and
+# fails on CPU-only machines (nemo_automodel 0.7.0), so launch one local worker explicitly.
+DISTILL_YAML ?= recipes/deepseek_v41/dspark_tiny_cpu.yaml
 distill: $(STAMP)
-	$(PY) -m nemo_automodel_ext.demo
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 -m nemo_automodel.cli.app $(DISTILL_YAML) $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/packing.py
+	$(PY) benchmarks/dspark_target.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) outputs

@@ -1,0 +1,188 @@
+"""Recipe configs, their validation, and the tiny CPU distillation run end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from nemo_automodel.components.config.loader import load_yaml_config
+from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
+from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
+from nemo_automodel_ext.recipes.dspark_v41 import (
+    TrainPackedDSparkV41Recipe,
+    build_packed_draft,
+    require_v41_checkpoint,
+    validate_recipe_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+# Ranks and device each recipe is written for.
+LAUNCH = {
+    "dspark_tiny_cpu.yaml": (1, "cpu"),
+    "dspark_flash_1node.yaml": (8, "cuda"),
+    "dspark_flash_4node_cp.yaml": (32, "cuda"),
+}
+
+
+def shrunken_flash_config() -> DeepseekV41Config:
+    """V4.1-Flash's layer schedule and DSpark contract with small widths (built on meta only)."""
+    return DeepseekV41Config(
+        text_config={
+            "hidden_size": 64,
+            "moe_intermediate_size": 32,
+            "num_attention_heads": 4,
+            "head_dim": 64,
+            "qk_rope_head_dim": 16,
+            "q_lora_rank": 32,
+            "o_lora_rank": 32,
+            "o_groups": 2,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "index_n_heads": 2,
+            "index_head_dim": 32,
+            "engram_layer_ids": [],
+            "dspark_n_routed_experts": 8,
+            "dspark_num_experts_per_tok": 2,
+        },
+        vision_config={"num_hidden_layers": 0},
+    )
+
+
+def test_every_recipe_has_a_launch_entry():
+    assert {path.name for path in RECIPES} == set(LAUNCH)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[path.name for path in RECIPES])
+def test_recipe_validates_and_builds_on_meta(path):
+    cfg = load_yaml_config(path)
+    world_size, device = LAUNCH[path.name]
+    assert cfg.get("recipe") == "nemo_automodel_ext.recipes.dspark_v41.TrainPackedDSparkV41Recipe"
+    args = validate_recipe_config(cfg, world_size, device, require_packages=False)
+    config = tiny_target_config() if device == "cpu" else shrunken_flash_config()
+    text = config.text_config
+    layer_ids = list(args["target_layer_ids"] or text.dspark_target_layer_ids)
+    with torch.device("meta"):
+        target = DeepseekV41ForCausalLM(config, backend=cpu_backend())
+        draft = build_packed_draft(
+            args,
+            text,
+            list(config.architectures),
+            layer_ids,
+            int(args["block_size"] or text.dspark_block_size),
+            int(args["num_anchors"]),
+            int(args["mask_token_id"]),
+        )
+    assert isinstance(draft, DeepseekV41PackedDSparkModel)
+    target.get_dspark_target_feature_modules(layer_ids)
+    if args["packed_sequence_size"]:
+        assert args["packed_sequence_size"] <= args["seq_length"]
+
+
+def _tiny_cfg():
+    return load_yaml_config(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml")
+
+
+@pytest.mark.parametrize(
+    "key,value,world,device,fragment",
+    [
+        ("recipe_args.packed_sequense_size", 128, 1, "cpu", "did you mean packed_sequence_size"),
+        ("recipe_args.output_dir", None, 1, "cpu", "output_dir is required"),
+        ("recipe_args.target_builder", "hub", 1, "cpu", "target_builder must be one of"),
+        ("recipe_args.target_builder", "automodel", 1, "cpu", "needs CUDA"),
+        ("recipe_args.target_dispatcher", "hybridep", 1, "cpu", "hybridep needs CUDA"),
+        ("recipe_args.target_attn_backend", "tilelang", 1, "cpu", "tilelang needs CUDA"),
+        ("recipe_args.packed_sequence_size", 4096, 1, "cpu", "packed_sequence_size must be"),
+        ("distributed.cp_size", 3, 4, "cpu", "cp_size=3 must divide"),
+        ("distributed.tp_size", 2, 2, "cpu", "tp_size must be 1"),
+        ("distributed.strategy", "megatron", 2, "cpu", "strategy must be ddp or fsdp2"),
+    ],
+)
+def test_invalid_configs_say_what_to_fix(key, value, world, device, fragment):
+    cfg = _tiny_cfg()
+    cfg.set_by_dotted(key, value)
+    with pytest.raises(ValueError, match=fragment):
+        validate_recipe_config(cfg, world, device)
+
+
+def test_cp_needs_packing():
+    cfg = _tiny_cfg()
+    cfg.set_by_dotted("distributed.cp_size", 2)
+    cfg.set_by_dotted("recipe_args.packed_sequence_size", 0)
+    with pytest.raises(ValueError, match="needs packed batches"):
+        validate_recipe_config(cfg, 2, "cpu")
+
+
+def test_hybridep_without_its_package_is_refused(monkeypatch):
+    cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_1node.yaml")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a, **k: None)
+    with pytest.raises(ValueError, match="HybridEP package"):
+        validate_recipe_config(cfg, 8, "cuda")
+
+
+def test_non_v41_target_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    with pytest.raises(ValueError, match="DeepSeek V4.1 checkpoint"):
+        require_v41_checkpoint(str(tmp_path))
+
+
+def test_recipe_subclasses_upstream():
+    from nemo_automodel.recipes.llm.train_dspark import TrainDSparkRecipe
+
+    assert issubclass(TrainPackedDSparkV41Recipe, TrainDSparkRecipe)
+    assert TrainPackedDSparkV41Recipe.run_train_validation_loop is TrainDSparkRecipe.run_train_validation_loop
+
+
+def run_tiny_recipe(tmp_path: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the tiny CPU recipe with the framework CLI under torchrun, outputs in ``tmp_path``."""
+    assets = tmp_path / "assets"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "nemo_automodel.cli.app",
+        str(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"),
+        f"--recipe_args.tiny_assets_dir={assets}",
+        f"--recipe_args.target_model_name_or_path={assets / 'target'}",
+        f"--recipe_args.train_data_path={assets / 'train.jsonl'}",
+        f"--recipe_args.output_dir={tmp_path / 'run'}",
+        f"--checkpoint.checkpoint_dir={tmp_path / 'run' / 'checkpoints'}",
+        *overrides,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    if result.returncode != 0:
+        pytest.fail(f"tiny recipe failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+    return result
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_cpu_run_learns_logs_and_checkpoints(tmp_path):
+    result = run_tiny_recipe(tmp_path, "--recipe_args.num_epochs=1")
+    metrics = read_metrics(tmp_path / "run")
+    assert [record["step"] for record in metrics] == list(range(1, len(metrics) + 1))
+    assert len(metrics) >= 150
+    assert all({"step", "loss", "tokens", "tokens_per_s", "ce_loss"} <= set(record) for record in metrics)
+    assert all(later["tokens"] > earlier["tokens"] for earlier, later in zip(metrics, metrics[1:]))
+    first = sum(record["loss"] for record in metrics[:20]) / 20
+    last = sum(record["loss"] for record in metrics[-20:]) / 20
+    assert last < 0.9 * first, (first, last)
+    log = result.stdout + result.stderr
+    assert "tokens/s" in log and "ETA" in log
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("epoch_*_step_*"))
+    assert checkpoints and list((checkpoints[-1] / "model").glob("*.safetensors"))
