@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import itertools
 import logging
 import pathlib
 from types import SimpleNamespace
@@ -372,13 +373,17 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self.runtime = SimpleNamespace(global_step=0)
         self._resume_epoch = 0
         self._tokens_seen = 0
+        self._data_checksum = 0
         self.rng = StatefulRNG(seed=int(args["shuffle_seed"]) + self._get_dp_rank(), ranked=False)
         self._build_checkpointer(target_path)
         self.load_checkpoint(self.cfg.get("checkpoint.restore_from", None))
+        self.train_dataloader = ResumedEpochLoader(
+            self.train_dataloader, self._consumed_batches_in_epoch(batches)
+        )
         self.metric_logger = ProgressMetricLogger(
             self.output_dir / "metrics.jsonl",
             self.total_optim_steps,
-            lambda: self._tokens_seen,
+            lambda: {"tokens": self._tokens_seen, "data_checksum": self._data_checksum},
             inner=build_metric_logger(str(self.output_dir / "dspark_train_metrics.jsonl")),
             start_step=self.runtime.global_step,
         )
@@ -458,7 +463,9 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             shuffle=train,
             num_workers=int(args["num_workers"]),
             split=split,
-            distributed=self.dist_env.world_size > 1,
+            # A DistributedSampler even on one rank: its order depends on (seed, epoch) only, which
+            # is what lets a resumed run continue an epoch exactly where the checkpoint left it.
+            distributed=dist.is_initialized(),
             shuffle_seed=args["shuffle_seed"],
             mask_reasoning_content=bool(args["mask_reasoning_content"]),
             mask_generation_prompt=bool(args["mask_generation_prompt"]),
@@ -471,15 +478,79 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             args, text, architectures, self.target_layer_ids, self.block_size, self.num_anchors, self.mask_token_id
         )
 
+    def _consumed_batches_in_epoch(self, batches: int) -> int:
+        """Micro-batches of the resumed epoch that the restored global step already trained on."""
+        steps_per_epoch = optim_steps_per_epoch(batches, self.grad_accumulation_steps)
+        done = self.runtime.global_step - self._resume_epoch * steps_per_epoch
+        return min(max(done, 0) * self.grad_accumulation_steps, batches)
+
     def _forward_batch(self, batch):
-        """Upstream's step, plus the count of real tokens trained on (all data-parallel ranks)."""
-        tokens = batch["attention_mask"].sum().reshape(1).to(torch.long)
-        self._tokens_seen += int(self._dp_allreduce(tokens).item())
+        """Upstream's step, plus running counts of real tokens and a data checksum (all dp ranks)."""
+        ids = batch["input_ids"].to(torch.long)
+        weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.long)
+        checksum = int(((ids.cpu() * weights).sum(1) % 1_000_003).sum())
+        stats = torch.tensor([int(batch["attention_mask"].sum()), checksum], dtype=torch.long)
+        tokens, checksum = self._dp_allreduce(stats).tolist()
+        self._tokens_seen += int(tokens)
+        self._data_checksum = (self._data_checksum + int(checksum)) % 2**61
         return super()._forward_batch(batch)
+
+    def _save_extra_state(self, path: str, epoch: int) -> None:
+        """Upstream's DSpark meta, plus the token and data-checksum counters (``progress_meta.pt``)."""
+        super()._save_extra_state(path, epoch)
+        torch.save(
+            {"tokens_seen": self._tokens_seen, "data_checksum": self._data_checksum},
+            pathlib.Path(path) / "progress_meta.pt",
+        )
+
+    def _load_extra_state(self, ckpt_dir: str) -> None:
+        super()._load_extra_state(ckpt_dir)
+        meta = pathlib.Path(ckpt_dir) / "progress_meta.pt"
+        if meta.exists():
+            state = torch.load(meta, map_location="cpu", weights_only=True)
+            self._tokens_seen, self._data_checksum = int(state["tokens_seen"]), int(state["data_checksum"])
+
+
+class ResumedEpochLoader:
+    """A dataloader whose first epoch starts ``skip`` micro-batches in (the resume point).
+
+    The skipped batches are the ones the checkpointed steps already trained on, so a resumed
+    run neither repeats nor drops data. Creating that first iterator leaves the global RNG as
+    the checkpoint restored it: in the uninterrupted run its draw happened before the
+    checkpoint, and anchor sampling must continue from the same RNG state.
+
+    Args:
+        loader: The epoch's DataLoader (deterministic order per epoch: ``sampler.set_epoch``).
+        skip: Micro-batches to skip in the first epoch iterated.
+    """
+
+    def __init__(self, loader, skip: int) -> None:
+        self.loader = loader
+        self.skip = int(skip)
+
+    @property
+    def sampler(self):
+        return self.loader.sampler
+
+    @property
+    def dataset(self):
+        return self.loader.dataset
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.skip
+
+    def __iter__(self):
+        if not self.skip:
+            return iter(self.loader)
+        with torch.random.fork_rng(devices=[]):
+            iterator = iter(self.loader)
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iterator, skip, None)
 
 
 __all__ = [
     "RECIPE_ARGS",
+    "ResumedEpochLoader",
     "TrainPackedDSparkV41Recipe",
     "build_packed_draft",
     "load_local_target",

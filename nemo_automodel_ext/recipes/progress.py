@@ -2,8 +2,8 @@
 
 ``ProgressMetricLogger`` stands in for the recipe's metric logger: upstream's training loop
 hands it one ``MetricsSample`` per logged step (rank 0 only) and it writes one JSON object
-per step (``step``, ``epoch``, ``loss``, ``tokens``, ``tokens_per_s``, ``eta_s`` and every
-loss term) to ``metrics.jsonl``, keeps upstream's own ``dspark_train_metrics.jsonl``, and
+per step (``step``, ``epoch``, ``loss``, ``tokens``, ``tokens_per_s``, ``eta_s``, the recipe's
+running counters and every loss term) to ``metrics.jsonl``, keeps upstream's own ``dspark_train_metrics.jsonl``, and
 logs ``step N/T | loss | tokens/s | ETA``.
 """
 
@@ -33,34 +33,35 @@ class ProgressMetricLogger:
     Args:
         path: ``metrics.jsonl`` to append to (created with its folder).
         total_steps: Optimizer steps of the whole run, for the ETA.
-        token_counter: Zero-argument callable returning the real tokens trained on so far
-            (all data-parallel ranks).
+        counters: Zero-argument callable returning running counters of the run, at least
+            ``tokens`` (real tokens trained on, all data-parallel ranks); all are recorded.
         inner: Optional upstream metric logger that also receives every sample.
         start_step: Step the run (re)starts from; throughput counts from here.
     """
 
-    def __init__(self, path: str | Path, total_steps: int, token_counter, inner=None, start_step: int = 0) -> None:
+    def __init__(self, path: str | Path, total_steps: int, counters, inner=None, start_step: int = 0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         self.total_steps = int(total_steps)
-        self.token_counter = token_counter
+        self.counters = counters
         self.inner = inner
         self._start = time.perf_counter()
         self._start_step = int(start_step)
-        self._last_time, self._last_tokens = self._start, token_counter()
+        self._last_time, self._last_tokens = self._start, counters()["tokens"]
 
     def log(self, sample: Any) -> None:
         """Record one ``MetricsSample`` (``step``, ``epoch``, ``metrics``)."""
         if self.inner is not None:
             self.inner.log(sample)
-        now, tokens = time.perf_counter(), self.token_counter()
+        now, counters = time.perf_counter(), self.counters()
+        tokens = counters["tokens"]
         window_s = max(now - self._last_time, 1e-9)
         tokens_per_s = (tokens - self._last_tokens) / window_s
         done = sample.step - self._start_step
         eta = (now - self._start) / done * (self.total_steps - sample.step) if done > 0 else float("nan")
         self._last_time, self._last_tokens = now, tokens
-        record = {"step": int(sample.step), "epoch": int(sample.epoch), "tokens": int(tokens)}
+        record = {"step": int(sample.step), "epoch": int(sample.epoch), **{k: int(v) for k, v in counters.items()}}
         record.update({key: float(value) for key, value in sample.metrics.items() if _is_number(value)})
         record.update({"tokens_per_s": tokens_per_s, "eta_s": eta if math.isfinite(eta) else None})
         self._file.write(json.dumps(record) + "\n")
