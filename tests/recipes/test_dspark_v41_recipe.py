@@ -215,3 +215,25 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(uninterrupted):
         assert record["tokens"] == reference["tokens"], record["step"]
         assert record["data_checksum"] == reference["data_checksum"], record["step"]
         assert record["loss"] == pytest.approx(reference["loss"], abs=1e-6), record["step"]
+
+
+def test_bad_yaml_fails_before_writing_anything(tmp_path):
+    """A config error stops the CLI run with the fix in the message, before assets or outputs exist."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        "-m",
+        "nemo_automodel.cli.app",
+        str(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"),
+        f"--recipe_args.tiny_assets_dir={tmp_path / 'assets'}",
+        f"--recipe_args.output_dir={tmp_path / 'run'}",
+        "--recipe_args.num_epoch=2",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "unknown recipe_args keys: num_epoch (did you mean num_epochs?)" in result.stdout + result.stderr
+    assert not (tmp_path / "assets").exists() and not (tmp_path / "run").exists()

@@ -123,8 +123,8 @@ def _validate_forward_inputs(model: DeepseekV41ForCausalLM, input_ids: torch.Ten
             "input_ids must be an int32/int64 tensor of shape [batch, sequence], got "
             + (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else repr(input_ids))
         )
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids must hold at least one token per row (sequence > 0)")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must hold at least one row and one token (got shape {tuple(input_ids.shape)})")
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in _TOKEN_DTYPES:
         raise ValueError("seq_lens must be an int32/int64 tensor of document lengths [batch, documents]")
     if seq_lens.ndim != 2 or seq_lens.shape[0] != input_ids.shape[0]:

@@ -43,6 +43,13 @@ def scenario_layout(rank: int) -> None:
     assert unsynced.source_indices.shape[1] == local.source_indices.shape[1]
     # Very different local widths (16 vs 12): the sync really changed something on rank 1.
     assert gather_widths(unsynced.source_indices.shape[1]) == [16, 12]
+    # Extremes: a single one-token document against a long row of odd-length documents.
+    lengths, shape = ([[1, 0]], (1, 1)) if rank == 0 else ([[61, 3]], (1, 64))
+    extreme = aligned_packed_layout(torch.tensor(lengths), shape, 4, sync_across_ranks=True)
+    assert gather_widths(extreme.source_indices.shape[1]) == [68, 68]
+    own = packed_layout(torch.tensor(lengths), None, shape, 4, minimum_length=68)
+    assert torch.equal(extreme.source_indices, own.source_indices)
+    assert torch.equal(extreme.input_positions, own.input_positions)
 
 
 def scenario_forward(rank: int) -> None:

@@ -235,6 +235,10 @@ def test_inputs_never_mutated(wrapper):
         ({"input_ids": _tokens()[0]}, "input_ids must be"),
         ({"input_ids": _tokens().index_fill(1, torch.tensor([3]), 511)}, "image token"),
         ({"model": torch.nn.Linear(2, 2)}, "DeepseekV41ForCausalLM"),
+        ({"input_ids": _tokens()[:0], "seq_lens": SEQ_LENS[:0]}, "at least one row"),
+        ({"input_ids": _tokens()[:, :0]}, "at least one row and one token"),
+        ({"seq_lens": torch.zeros(2, 4, dtype=torch.long)}, "sum to the packed sequence length"),
+        ({"seq_lens": torch.tensor([[5, 0, 11, 7], [9, -1000, 14, 0]], dtype=torch.int16)}, "int32/int64"),
     ],
 )
 def test_forward_refusals(tiny_target, change, fragment):
