@@ -82,7 +82,9 @@ def main() -> None:
 
     def bare() -> None:
         with torch.no_grad():
-            model(packed_ids, attention_mask=mask, position_ids=positions, packed_seq_ids=sequence_ids, logits_to_keep=1)
+            model(
+                packed_ids, attention_mask=mask, position_ids=positions, packed_seq_ids=sequence_ids, logits_to_keep=1
+            )
 
     bare_s, packed_s = paired_medians(bare, lambda: dspark_packed_forward(model, input_ids, seq_lens), args.repeats)
 

@@ -133,10 +133,7 @@ def main() -> None:
     print("-" * len(header))
     for name, reference, ours, unit in rows:
         scale = 1e3 if unit == "ms" else 1.0
-        print(
-            f"{name:<46} {reference * scale:>9.2f} {unit:<3}"
-            f"{ours * scale:>9.2f} {unit:<3}{reference / ours:>15.2f}x"
-        )
+        print(f"{name:<46} {reference * scale:>9.2f} {unit:<3}{ours * scale:>9.2f} {unit:<3}{reference / ours:>15.2f}x")
 
 
 if __name__ == "__main__":

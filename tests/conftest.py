@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+# Shared check helpers (dspark_checks.py) import by name in tests and in gloo worker scripts.
+sys.path.insert(0, str(TESTS))
 
 
 def _free_port() -> int:
@@ -22,7 +25,7 @@ def _free_port() -> int:
 def run_gloo(script: Path, *args: str, world_size: int = 2, timeout: float = 300) -> None:
     """Run ``script`` as ``world_size`` gloo ranks on 127.0.0.1 and fail with their output if any rank fails."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     procs = [
         subprocess.Popen(

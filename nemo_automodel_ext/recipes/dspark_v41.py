@@ -176,7 +176,9 @@ def validate_recipe_config(
     dispatcher = args["target_dispatcher"]
     if dispatcher == "hybridep":
         if device_type != "cuda":
-            raise ValueError("target_dispatcher=hybridep needs CUDA GPUs; on CPU set recipe_args.target_dispatcher: torch")
+            raise ValueError(
+                "target_dispatcher=hybridep needs CUDA GPUs; on CPU set recipe_args.target_dispatcher: torch"
+            )
         if require_packages and importlib.util.find_spec("deep_ep") is None:
             raise ValueError(
                 "target_dispatcher=hybridep needs the HybridEP package (deep_ep with HybridEPBuffer); install it or "
@@ -218,7 +220,9 @@ def load_local_target(path: str | pathlib.Path, backend, device: torch.device, d
     model = DeepseekV41ForCausalLM(config, backend=backend)
     missing, unexpected = model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}/model.safetensors does not match its config: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"{path}/model.safetensors does not match its config: missing {missing}, unexpected {unexpected}"
+        )
     cast_model_to_dtype(model, dtype)
     return model.to(device).eval().requires_grad_(False)
 
@@ -281,7 +285,6 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self.device = self.dist_env.device or torch.device("cpu")
         world_size = self.dist_env.world_size
         args = validate_recipe_config(self.cfg, world_size, self.device.type)
-        self.recipe_args = args
         self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.cached_target_path = None
         self.packed_sequence_size = int(args["packed_sequence_size"] or 0)
@@ -300,7 +303,9 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             )
             self.cp_mesh, self.dp_mesh = self.device_mesh["cp"], self.device_mesh["dp"]
 
-        self.tokenizer = NeMoAutoTokenizer.from_pretrained(target_path, trust_remote_code=bool(args["trust_remote_code"]))
+        self.tokenizer = NeMoAutoTokenizer.from_pretrained(
+            target_path, trust_remote_code=bool(args["trust_remote_code"])
+        )
         apply_target_chat_template(self.tokenizer, args["chat_template"])
 
         self.target_model = self._build_target(args, target_path)
@@ -366,9 +371,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         warmup_steps = _resolve_warmup_steps(float(opt_cfg.get("warmup_ratio", 0.05)), self.total_optim_steps)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            make_warmup_cosine_schedule(
-                warmup_steps, self.total_optim_steps, float(opt_cfg.get("min_lr_ratio", 0.1))
-            ),
+            make_warmup_cosine_schedule(warmup_steps, self.total_optim_steps, float(opt_cfg.get("min_lr_ratio", 0.1))),
         )
         self.runtime = SimpleNamespace(global_step=0)
         self._resume_epoch = 0
@@ -377,9 +380,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self.rng = StatefulRNG(seed=int(args["shuffle_seed"]) + self._get_dp_rank(), ranked=False)
         self._build_checkpointer(target_path)
         self.load_checkpoint(self.cfg.get("checkpoint.restore_from", None))
-        self.train_dataloader = ResumedEpochLoader(
-            self.train_dataloader, self._consumed_batches_in_epoch(batches)
-        )
+        self.train_dataloader = ResumedEpochLoader(self.train_dataloader, self._consumed_batches_in_epoch(batches))
         self.metric_logger = ProgressMetricLogger(
             self.output_dir / "metrics.jsonl",
             self.total_optim_steps,

@@ -111,7 +111,9 @@ def ensure_tiny_assets(directory: str | os.PathLike, *, seed: int = 0, train_sam
         target_dir.mkdir()
         model = build_tiny_target(seed=seed)
         model.config.save_pretrained(target_dir)
-        save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, target_dir / "model.safetensors")
+        save_file(
+            {name: tensor.contiguous() for name, tensor in model.state_dict().items()}, target_dir / "model.safetensors"
+        )
         build_tokenizer().save_pretrained(target_dir)
         rng = random.Random(seed)
         for name, count in (("train.jsonl", train_samples), ("val.jsonl", max(1, train_samples // 10))):

@@ -126,14 +126,18 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         batch, sequence = input_ids.shape
         for name, value in (("position_ids", position_ids), ("doc_remaining", doc_remaining)):
             if not isinstance(value, torch.Tensor) or value.shape != (batch, sequence):
-                raise ValueError(f"packed DSpark draft input needs {name} of shape [batch={batch}, sequence={sequence}]")
+                raise ValueError(
+                    f"packed DSpark draft input needs {name} of shape [batch={batch}, sequence={sequence}]"
+                )
         self._packed = _PackedRows(position_ids, context_doc_ids(seq_lens, sequence, input_ids.device))
         try:
             output = super().forward(input_ids, target_hidden_states, loss_mask, target_last_hidden_states)
             anchors = self._packed.anchor_positions
         finally:
             self._packed = None
-        label_indices = anchors.unsqueeze(-1) + torch.arange(1, self.config.dspark_block_size + 1, device=anchors.device)
+        label_indices = anchors.unsqueeze(-1) + torch.arange(
+            1, self.config.dspark_block_size + 1, device=anchors.device
+        )
         safe_label_indices = label_indices.clamp(max=sequence - 1).masked_fill(~output.block_keep_mask.unsqueeze(-1), 0)
         eval_mask = build_eval_mask(
             seq_len=sequence,

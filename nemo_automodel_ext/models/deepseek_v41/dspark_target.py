@@ -121,7 +121,11 @@ def _validate_forward_inputs(model: DeepseekV41ForCausalLM, input_ids: torch.Ten
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in _TOKEN_DTYPES or input_ids.ndim != 2:
         raise ValueError(
             "input_ids must be an int32/int64 tensor of shape [batch, sequence], got "
-            + (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else repr(input_ids))
+            + (
+                f"{input_ids.dtype} {tuple(input_ids.shape)}"
+                if isinstance(input_ids, torch.Tensor)
+                else repr(input_ids)
+            )
         )
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must hold at least one row and one token (got shape {tuple(input_ids.shape)})")

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from nemo_automodel.components.speculative.dspark.target import DSparkTargetBatch, HFDSparkTargetModel
+from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_automodel_ext.models.deepseek_v41.cp import dspark_packed_forward_cp
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import dspark_packed_forward, require_v41_target
@@ -113,9 +113,7 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
             padding slots, and the unmodified caller tensors.
         """
         if mm_kwargs:
-            raise ValueError(
-                f"DeepSeek V4.1 DSpark capture is text-only; got image inputs {sorted(mm_kwargs)}"
-            )
+            raise ValueError(f"DeepSeek V4.1 DSpark capture is text-only; got image inputs {sorted(mm_kwargs)}")
 
         if self.cp_mesh is not None and seq_lens is None:
             raise ValueError(

@@ -19,7 +19,11 @@ TINY_TARGET_CONFIG = "configs/tiny_target.json"
 
 
 def cpu_backend(**overrides: Any) -> BackendConfig:
-    """The CPU backend every CPU test and the tiny recipe use (eager attention, torch dispatcher)."""
+    """A torch-only ``BackendConfig`` (no TE, TileLang or HybridEP kernels), runnable on CPU.
+
+    Eager attention and the torch dispatcher unless overridden; the CPU tests, the tiny recipe
+    and the draft (``attn="sdpa", experts="torch"``, upstream's draft default) use it.
+    """
     settings = dict(attn="eager", linear="torch", rms_norm="torch_fp32", experts="torch_mm", dispatcher="torch")
     settings.update(overrides)
     return BackendConfig(**settings)

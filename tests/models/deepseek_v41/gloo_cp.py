@@ -75,7 +75,9 @@ def main() -> None:
             input_ids, loss_mask, loss_mask, seq_lens=SEQ_LENS
         )
         torch.testing.assert_close(sharded.target_hidden_states, single.target_hidden_states, atol=1e-5, rtol=0)
-        torch.testing.assert_close(sharded.target_last_hidden_states, single.target_last_hidden_states, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            sharded.target_last_hidden_states, single.target_last_hidden_states, atol=1e-5, rtol=0
+        )
         loss_single = first_step_loss(model, single, SEQ_LENS, input_ids, loss_mask)
         loss_sharded = first_step_loss(model, sharded, SEQ_LENS, input_ids, loss_mask)
         torch.testing.assert_close(loss_sharded, loss_single, atol=1e-5, rtol=1e-5)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dspark_checks import assert_documents_match_alone
 from nemo_automodel.components.models.deepseek_v41 import packing as upstream
 from nemo_automodel.components.speculative.dspark.target import HFDSparkTargetModel
 
@@ -34,16 +35,6 @@ def wrapper(tiny_target):
 
 def _tokens(batch=2, sequence=SEQUENCE, seed=0):
     return torch.randint(4, 500, (batch, sequence), generator=torch.Generator().manual_seed(seed))
-
-
-def _documents(seq_lens):
-    """Yield (row, start, length) of every present document in caller coordinates."""
-    for row, lengths in enumerate(seq_lens.tolist()):
-        start = 0
-        for length in lengths:
-            if length > 0:
-                yield row, start, length
-                start += length
 
 
 def _alone(wrapper, tokens):
@@ -112,20 +103,7 @@ def test_packed_features_equal_each_document_alone(wrapper):
     hidden = wrapper.model.config.text_config.hidden_size
     assert batch.target_hidden_states.shape == (2, SEQUENCE, 3 * hidden)
     assert batch.target_last_hidden_states.shape == (2, SEQUENCE, hidden)
-    checked = 0
-    for row, start, length in _documents(SEQ_LENS):
-        alone = _alone(wrapper, tokens[row : row + 1, start : start + length])
-        torch.testing.assert_close(
-            batch.target_hidden_states[row, start : start + length], alone.target_hidden_states[0], atol=1e-5, rtol=0
-        )
-        torch.testing.assert_close(
-            batch.target_last_hidden_states[row, start : start + length],
-            alone.target_last_hidden_states[0],
-            atol=1e-5,
-            rtol=0,
-        )
-        checked += 1
-    assert checked == 5
+    assert assert_documents_match_alone(wrapper, batch, tokens, SEQ_LENS) == 5
 
 
 def test_packing_changes_features_without_alignment(wrapper):
@@ -173,7 +151,11 @@ def test_upstream_wrapper_cannot_run_packed_v41(tiny_target):
     positions = upstream.packed_layout(seq_lens, seq_lens_padded=None, input_shape=(2, SEQUENCE), alignment=1)
     with pytest.raises(ValueError, match="DeepSeek V4.1"):  # per-document positions or the 4-D mask
         upstream_wrapper.generate_batch(
-            tokens, torch.ones_like(tokens), torch.ones_like(tokens), position_ids=positions.position_ids, seq_lens=seq_lens
+            tokens,
+            torch.ones_like(tokens),
+            torch.ones_like(tokens),
+            position_ids=positions.position_ids,
+            seq_lens=seq_lens,
         )
     ours = DeepseekV41DSparkTargetModel(tiny_target, tiny_target.config.text_config.dspark_target_layer_ids)
     batch = ours.generate_batch(tokens, torch.ones_like(tokens), torch.ones_like(tokens), seq_lens=seq_lens)

@@ -113,7 +113,11 @@ BAD_INPUTS = [
     ("spans past the row", dict(seq_lens=torch.tensor([[6, 3]])), "input row"),
     ("padded spans past the row", dict(seq_lens_padded=torch.tensor([[6, 3]])), "input row"),
     ("absent with span", dict(seq_lens=torch.tensor([[3, 0]]), seq_lens_padded=torch.tensor([[3, 2]])), "absent"),
-    ("absent -1000 with span", dict(seq_lens=torch.tensor([[-1000, 2]]), seq_lens_padded=torch.tensor([[1, 2]])), "absent"),
+    (
+        "absent -1000 with span",
+        dict(seq_lens=torch.tensor([[-1000, 2]]), seq_lens_padded=torch.tensor([[1, 2]])),
+        "absent",
+    ),
 ]
 
 

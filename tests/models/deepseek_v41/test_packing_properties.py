@@ -25,7 +25,9 @@ def packs(draw, padded_spans=True):
     use_padded = padded_spans and draw(st.booleans())
     lengths = draw(
         st.lists(
-            st.lists(st.one_of(st.integers(1, 30), st.sampled_from([0, -1000])), min_size=documents, max_size=documents),
+            st.lists(
+                st.one_of(st.integers(1, 30), st.sampled_from([0, -1000])), min_size=documents, max_size=documents
+            ),
             min_size=batch,
             max_size=batch,
         )

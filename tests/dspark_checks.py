@@ -1,0 +1,39 @@
+"""Checks shared by in-process tests and gloo worker scripts (``tests/`` is on their import path)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def present_documents(seq_lens: torch.Tensor):
+    """Yield (row, start, length) of every present document of ``seq_lens`` [batch, documents]."""
+    for row, lengths in enumerate(seq_lens.tolist()):
+        start = 0
+        for length in lengths:
+            if length > 0:
+                yield row, start, length
+                start += length
+
+
+def assert_documents_match_alone(wrapper, batch, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> int:
+    """Every document's packed captures equal the captures of that document run alone (fp32, 1e-5).
+
+    Args:
+        wrapper: ``DeepseekV41DSparkTargetModel``.
+        batch: ``DSparkTargetBatch`` of the packed run.
+        input_ids: Packed token IDs [batch, sequence].
+        seq_lens: Document lengths [batch, documents].
+
+    Returns:
+        Number of documents checked.
+    """
+    checked = 0
+    for row, start, length in present_documents(seq_lens):
+        tokens = input_ids[row : row + 1, start : start + length]
+        alone = wrapper.generate_batch(tokens, torch.ones_like(tokens), torch.ones_like(tokens))
+        for name in ("target_hidden_states", "target_last_hidden_states"):
+            torch.testing.assert_close(
+                getattr(batch, name)[row, start : start + length], getattr(alone, name)[0], atol=1e-5, rtol=0
+            )
+        checked += 1
+    return checked
