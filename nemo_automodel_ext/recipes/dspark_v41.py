@@ -379,6 +379,13 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self._data_checksum = 0
         self.rng = StatefulRNG(seed=int(args["shuffle_seed"]) + self._get_dp_rank(), ranked=False)
         self._build_checkpointer(target_path)
+        if self.cp_mesh is not None:
+            # CP peers share a dp rank, like TP peers: every rank enters save_on_dp_ranks (it
+            # barriers over all ranks) and only the first CP peer writes the shared RNG file.
+            # Upstream lets only that peer enter, which deadlocks the barrier; the wrapper keeps
+            # its own reference to the CP mesh.
+            self.checkpointer.tp_rank = self.cp_mesh.get_local_rank()
+            self.cp_mesh = None
         self.load_checkpoint(self.cfg.get("checkpoint.restore_from", None))
         self.train_dataloader = ResumedEpochLoader(self.train_dataloader, self._consumed_batches_in_epoch(batches))
         self.metric_logger = ProgressMetricLogger(

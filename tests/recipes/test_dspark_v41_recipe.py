@@ -141,15 +141,15 @@ def test_recipe_subclasses_upstream():
     assert TrainPackedDSparkV41Recipe.run_train_validation_loop is TrainDSparkRecipe.run_train_validation_loop
 
 
-def cli_command(*overrides: str) -> list[str]:
-    """The framework CLI on the tiny recipe, one local torchrun worker (``make distill``'s launch)."""
+def cli_command(*overrides: str, nproc: int = 1) -> list[str]:
+    """The framework CLI on the tiny recipe under torchrun (``make distill``'s launch), ``nproc`` gloo ranks."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "1",
+        str(nproc),
         "-m",
         "nemo_automodel.cli.app",
         str(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"),
@@ -157,7 +157,7 @@ def cli_command(*overrides: str) -> list[str]:
     ]
 
 
-def run_tiny_recipe(workdir: Path, run: str, *overrides: str, timeout: float = 600) -> str:
+def run_tiny_recipe(workdir: Path, run: str, *overrides: str, nproc: int = 1, timeout: float = 600) -> str:
     """Run the tiny CPU recipe with the framework CLI under torchrun; outputs in ``workdir / run``.
 
     Returns:
@@ -173,6 +173,7 @@ def run_tiny_recipe(workdir: Path, run: str, *overrides: str, timeout: float = 6
         "--recipe_args.num_epochs=1",
         "--recipe_args.ckpt_every_steps=60",
         *overrides,
+        nproc=nproc,
     )
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
@@ -238,3 +239,19 @@ def test_bad_yaml_fails_before_writing_anything(tmp_path):
     assert result.returncode != 0
     assert "unknown recipe_args keys: num_epoch (did you mean num_epochs?)" in result.stdout + result.stderr
     assert not (tmp_path / "assets").exists() and not (tmp_path / "run").exists()
+
+
+def test_cp2_recipe_run_matches_cp1_step_for_step(uninterrupted):
+    """The whole recipe under CP=2 (two gloo ranks, one dp group) trains exactly like CP=1."""
+    workdir, _, _ = uninterrupted
+    lines = (workdir / "assets" / "train.jsonl").read_text().splitlines()[:300]
+    small = workdir / "small.jsonl"
+    small.write_text("\n".join(lines) + "\n")
+    run_tiny_recipe(workdir, "cp1", f"--recipe_args.train_data_path={small}")
+    run_tiny_recipe(workdir, "cp2", f"--recipe_args.train_data_path={small}", "--distributed.cp_size=2", nproc=2)
+    single, sharded = read_metrics(workdir / "cp1"), read_metrics(workdir / "cp2")
+    assert len(single) == len(sharded) >= 15
+    for one, two in zip(single, sharded, strict=True):
+        assert (two["tokens"], two["data_checksum"]) == (one["tokens"], one["data_checksum"])
+        assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
+    assert list((workdir / "cp2" / "checkpoints").glob("epoch_*_step_*/rng/rng_dp_rank_0.pt"))
