@@ -1,0 +1,1 @@
+"""Model folders of the plugin, laid out like AutoModel's ``components/models``."""

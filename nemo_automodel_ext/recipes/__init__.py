@@ -1,0 +1,1 @@
+"""Training recipes of the plugin, run with AutoModel's CLI by dotted path."""
