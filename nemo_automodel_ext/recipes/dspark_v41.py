@@ -388,12 +388,17 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             self.cp_mesh = None
         self.load_checkpoint(self.cfg.get("checkpoint.restore_from", None))
         self.train_dataloader = ResumedEpochLoader(self.train_dataloader, self._consumed_batches_in_epoch(batches))
-        self.metric_logger = ProgressMetricLogger(
-            self.output_dir / "metrics.jsonl",
-            self.total_optim_steps,
-            lambda: {"tokens": self._tokens_seen, "data_checksum": self._data_checksum},
-            inner=build_metric_logger(str(self.output_dir / "dspark_train_metrics.jsonl")),
-            start_step=self.runtime.global_step,
+        # Upstream's loop logs on the main rank only; the other ranks keep no metric files open.
+        self.metric_logger = (
+            ProgressMetricLogger(
+                self.output_dir / "metrics.jsonl",
+                self.total_optim_steps,
+                lambda: {"tokens": self._tokens_seen, "data_checksum": self._data_checksum},
+                inner=build_metric_logger(str(self.output_dir / "dspark_train_metrics.jsonl")),
+                start_step=self.runtime.global_step,
+            )
+            if self.dist_env.is_main
+            else None
         )
         self.wandb_run = None
         if self.dist_env.is_main:

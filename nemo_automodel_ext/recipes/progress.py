@@ -36,12 +36,17 @@ class ProgressMetricLogger:
         counters: Zero-argument callable returning running counters of the run, at least
             ``tokens`` (real tokens trained on, all data-parallel ranks); all are recorded.
         inner: Optional upstream metric logger that also receives every sample.
-        start_step: Step the run (re)starts from; throughput counts from here.
+        start_step: Step the run (re)starts from; throughput counts from here. Records of
+            later steps already in ``path`` (written after the checkpoint a run resumes from)
+            are dropped, so the file stays one record per step.
     """
 
     def __init__(self, path: str | Path, total_steps: int, counters, inner=None, start_step: int = 0) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", buffering=1)
         self.total_steps = int(total_steps)
         self.counters = counters

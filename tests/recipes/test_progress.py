@@ -1,0 +1,41 @@
+"""metrics.jsonl and progress lines of DSpark runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, format_eta
+
+
+def _sample(step, loss):
+    return SimpleNamespace(step=step, epoch=0, metrics={"loss": loss, "ce_loss": 2 * loss, "flag": True})
+
+
+def test_one_record_per_step_with_tokens_and_eta(tmp_path, caplog):
+    counters = {"tokens": 0}
+    logger = ProgressMetricLogger(tmp_path / "m" / "metrics.jsonl", 4, lambda: dict(counters))
+    with caplog.at_level(logging.INFO, logger="nemo_automodel_ext.progress"):
+        for step in (1, 2):
+            counters["tokens"] += 100
+            logger.log(_sample(step, 1.0 / step))
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "m" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["tokens"], r["loss"]) for r in records] == [(1, 100, 1.0), (2, 200, 0.5)]
+    assert "flag" not in records[0] and records[1]["tokens_per_s"] > 0 and records[1]["eta_s"] >= 0
+    assert "step 2/4" in caplog.text and "tokens/s" in caplog.text and "ETA" in caplog.text
+
+
+def test_resume_drops_records_past_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 8)))
+    logger = ProgressMetricLogger(path, 10, lambda: {"tokens": 0}, start_step=5)
+    logger.log(_sample(6, 0.25))
+    logger.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+def test_format_eta():
+    assert format_eta(3725) == "1:02:05"
+    assert format_eta(float("nan")) == "?"
