@@ -338,10 +338,14 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         torch.manual_seed(int(args["shuffle_seed"]))  # identical draft initialisation on every rank
         self.draft_model = self._build_draft(args, text, architectures).to(self.device)
         cast_model_to_dtype(self.draft_model, self.compute_dtype)
+        embed_tokens, lm_head = self.target_wrapper.get_input_embeddings(), self.target_wrapper.get_output_embeddings()
+        if self.distributed_setup is not None:
+            # The EP/FSDP-loaded target holds DTensor shards; the draft copies full weights.
+            from nemo_automodel.recipes.llm._dspark_target_build import gather_full_weight_module
+
+            embed_tokens, lm_head = gather_full_weight_module(embed_tokens), gather_full_weight_module(lm_head)
         self.draft_model.initialize_embeddings_and_head(
-            embed_tokens=self.target_wrapper.get_input_embeddings(),
-            lm_head=self.target_wrapper.get_output_embeddings(),
-            freeze=bool(args["freeze_embeddings"]),
+            embed_tokens=embed_tokens, lm_head=lm_head, freeze=bool(args["freeze_embeddings"])
         )
         trainer_module = DSparkTrainerModule(
             self.draft_model,
