@@ -38,8 +38,6 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
         # Upstream's CP hooks patch HF SDPA attention, which V4.1 does not use: never pass a mesh up.
         super().__init__(model, target_layer_ids, cp_mesh=None)
         self.cp_mesh = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
-        if self._target_feature_modules is None:
-            raise ValueError("DeepSeek V4.1 targets must provide get_dspark_target_feature_modules")
         self.model.requires_grad_(False)
 
     def _capture(
