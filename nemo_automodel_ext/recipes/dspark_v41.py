@@ -21,9 +21,6 @@ Run it with the framework's CLI: ``automodel recipes/deepseek_v41/dspark_tiny_cp
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
-import itertools
 import logging
 import pathlib
 from types import SimpleNamespace
@@ -37,13 +34,10 @@ from nemo_automodel.components.distributed.init_utils import initialize_distribu
 from nemo_automodel.components.loggers.log_utils import setup_logging
 from nemo_automodel.components.loggers.metric_logger import build_metric_logger
 from nemo_automodel.components.models.common.utils import cast_model_to_dtype
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41DSparkConfig
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
 from nemo_automodel.components.speculative.dspark.target_utils import (
-    DEEPSEEK_V41_MODEL_TYPE,
     apply_target_chat_template,
-    read_target_model_type,
 )
 from nemo_automodel.components.training.rng import StatefulRNG
 from nemo_automodel.recipes.llm._spec_train_utils import make_warmup_cosine_schedule, optim_steps_per_epoch
@@ -52,7 +46,6 @@ from nemo_automodel.recipes.llm.train_dspark import (
     _build_dspark_optimizer,
     _resolve_warmup_steps,
 )
-from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
@@ -60,216 +53,13 @@ from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41Packe
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_alignment
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
+from nemo_automodel_ext.recipes.builders import build_packed_draft, load_local_target, require_v41_checkpoint
+from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger
-from nemo_automodel_ext.registry import resolve_dspark_draft, resolve_dspark_target_wrapper
+from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
+from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
 
 logger = logging.getLogger(__name__)
-
-#: Every recipe_args key this recipe reads, with its default (None: required or optional).
-RECIPE_ARGS: dict[str, Any] = {
-    "target_model_name_or_path": None,
-    "tiny_assets_dir": None,
-    "trust_remote_code": False,
-    "target_builder": "automodel",
-    "target_attn_backend": "tilelang",
-    "target_dispatcher": "hybridep",
-    "target_experts": "torch_mm",
-    "target_enable_fsdp_optimizations": True,
-    "draft_attn_backend": "sdpa",
-    "chat_template": None,
-    "train_data_path": None,
-    "val_data_path": None,
-    "train_split": None,
-    "val_split": None,
-    "seq_length": None,
-    "packed_sequence_size": 0,
-    "micro_batch_size": 1,
-    "num_workers": 0,
-    "num_epochs": 1,
-    "shuffle_seed": 42,
-    "mask_reasoning_content": False,
-    "mask_generation_prompt": False,
-    "draft_num_hidden_layers": None,
-    "target_layer_ids": None,
-    "block_size": None,
-    "num_anchors": 512,
-    "mask_token_id": None,
-    "markov_rank": None,
-    "markov_head_type": "vanilla",
-    "confidence_head_alpha": 1.0,
-    "confidence_head_with_markov": True,
-    "confidence_head_stop_gradient": False,
-    "freeze_embeddings": True,
-    "loss_decay_gamma": None,
-    "ce_loss_alpha": 0.1,
-    "l1_loss_alpha": 0.9,
-    "grad_accumulation_steps": 1,
-    "max_grad_norm": 1.0,
-    "log_every_steps": 10,
-    "ckpt_every_steps": None,
-    "save_checkpoint_every_epoch": False,
-    "output_dir": None,
-}
-TARGET_BUILDERS = ("local", "automodel")
-
-
-def _get(section: Any, key: str, default: Any = None) -> Any:
-    return section.get(key, default) if section is not None else default
-
-
-def validate_recipe_config(
-    cfg: Any, world_size: int, device_type: str, require_packages: bool = True
-) -> dict[str, Any]:
-    """Check a packed V4.1 DSpark config before anything is built.
-
-    Args:
-        cfg: The loaded ``ConfigNode``.
-        world_size: Number of ranks of the run.
-        device_type: ``"cuda"`` or ``"cpu"``.
-        require_packages: Also check that optional packages the config needs (HybridEP) import.
-
-    Returns:
-        ``recipe_args`` as a plain dict with defaults filled in.
-
-    Raises:
-        ValueError: naming the key and what to change: unknown keys, missing required keys,
-            impossible parallel sizes, a dispatcher or backend that cannot run here.
-    """
-    section = cfg.get("recipe_args", None)
-    if section is None:
-        raise ValueError("the config needs a recipe_args section")
-    raw = section.to_dict() if hasattr(section, "to_dict") else dict(section)
-    unknown = sorted(set(raw) - set(RECIPE_ARGS))
-    if unknown:
-        hints = [
-            f"{key} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(key, RECIPE_ARGS, 1)) else key
-            for key in unknown
-        ]
-        raise ValueError(f"unknown recipe_args keys: {', '.join(hints)}")
-    args = {**RECIPE_ARGS, **raw}
-    for key in ("target_model_name_or_path", "train_data_path", "seq_length", "output_dir", "mask_token_id"):
-        if args[key] is None:
-            raise ValueError(f"recipe_args.{key} is required")
-    if args["target_builder"] not in TARGET_BUILDERS:
-        raise ValueError(f"recipe_args.target_builder must be one of {TARGET_BUILDERS}, got {args['target_builder']!r}")
-    if args["target_builder"] == "automodel" and device_type != "cuda":
-        raise ValueError(
-            "recipe_args.target_builder=automodel loads the target with EP/FSDP and needs CUDA; "
-            "on CPU use target_builder: local with a CPU backend (target_attn_backend: eager, target_dispatcher: torch)"
-        )
-    packed = int(args["packed_sequence_size"] or 0)
-    if packed < 0 or (packed and packed > int(args["seq_length"])):
-        raise ValueError(
-            f"recipe_args.packed_sequence_size must be 0 (off) or in [1, seq_length={args['seq_length']}], got {packed}"
-        )
-    distributed = cfg.get("distributed", None)
-    cp_size = int(_get(distributed, "cp_size", 1) or 1)
-    for axis in ("tp_size", "pp_size"):
-        if int(_get(distributed, axis, 1) or 1) != 1:
-            raise ValueError(f"distributed.{axis} must be 1 for DSpark (one non-pipelined target forward per rank)")
-    if cp_size < 1 or world_size % cp_size:
-        raise ValueError(f"distributed.cp_size={cp_size} must divide the number of ranks ({world_size})")
-    if cp_size > 1 and not packed:
-        raise ValueError("distributed.cp_size > 1 needs packed batches: set recipe_args.packed_sequence_size > 0")
-    if cp_size > 1 and int(args["seq_length"]) < cp_size:
-        raise ValueError(f"recipe_args.seq_length={args['seq_length']} is shorter than distributed.cp_size={cp_size}")
-    dispatcher = args["target_dispatcher"]
-    if dispatcher == "hybridep":
-        if device_type != "cuda":
-            raise ValueError(
-                "target_dispatcher=hybridep needs CUDA GPUs; on CPU set recipe_args.target_dispatcher: torch"
-            )
-        if require_packages and importlib.util.find_spec("deep_ep") is None:
-            raise ValueError(
-                "target_dispatcher=hybridep needs the HybridEP package (deep_ep with HybridEPBuffer); install it or "
-                "set recipe_args.target_dispatcher: deepep or torch"
-            )
-    if device_type != "cuda" and args["target_attn_backend"] == "tilelang":
-        raise ValueError("target_attn_backend=tilelang needs CUDA; on CPU set recipe_args.target_attn_backend: eager")
-    strategy = str(_get(distributed, "strategy", "ddp")).lower()
-    if strategy not in ("ddp", "fsdp2"):
-        raise ValueError(f"distributed.strategy must be ddp or fsdp2, got {strategy!r}")
-    return args
-
-
-def require_v41_checkpoint(path: str, trust_remote_code: bool = False) -> None:
-    """Raise a ValueError unless ``path`` holds a DeepSeek V4.1 config (``model_type`` deepseek_v41)."""
-    model_type = read_target_model_type(path, trust_remote_code)
-    if model_type != DEEPSEEK_V41_MODEL_TYPE:
-        raise ValueError(
-            f"recipe_args.target_model_name_or_path must be a DeepSeek V4.1 checkpoint "
-            f"(model_type {DEEPSEEK_V41_MODEL_TYPE!r}), got model_type {model_type!r} at {path}; "
-            "use nemo_automodel.recipes.llm.train_dspark.TrainDSparkRecipe for other targets"
-        )
-
-
-def load_local_target(path: str | pathlib.Path, backend, device: torch.device, dtype: torch.dtype):
-    """Build a V4.1 target from ``config.json`` + ``model.safetensors`` in ``path`` (no hub access).
-
-    Args:
-        path: Folder written by ``config.save_pretrained`` and ``safetensors.save_file``.
-        backend: ``BackendConfig`` of the target.
-        device: Device to place the target on.
-        dtype: Parameter dtype of the frozen target.
-
-    Returns:
-        The frozen ``DeepseekV41ForCausalLM`` in eval mode.
-    """
-    path = pathlib.Path(path)
-    config = DeepseekV41Config.from_pretrained(path, vision_config={"num_hidden_layers": 0})
-    model = DeepseekV41ForCausalLM(config, backend=backend)
-    missing, unexpected = model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"{path}/model.safetensors does not match its config: missing {missing}, unexpected {unexpected}"
-        )
-    cast_model_to_dtype(model, dtype)
-    return model.to(device).eval().requires_grad_(False)
-
-
-def build_packed_draft(
-    args: dict[str, Any],
-    text,
-    architectures: list[str],
-    target_layer_ids: list[int],
-    block_size: int,
-    num_anchors: int,
-    mask_token_id: int,
-) -> DeepseekV41PackedDSparkModel:
-    """Build the registered packed draft for ``architectures`` from validated recipe args.
-
-    Upstream's ``DeepseekV41DSparkConfig`` checks the recipe against the target's released
-    DSpark contract first (draft depth, block size, mask token, Markov rank, feature layers).
-
-    Args:
-        args: ``validate_recipe_config`` output.
-        text: The target's ``DeepseekV41TextConfig``.
-        architectures: The target's HF architectures, for the draft registry.
-        target_layer_ids: Feature layers of the target.
-        block_size: Draft block size.
-        num_anchors: Anchor blocks per row.
-        mask_token_id: Token filling non-anchor block slots.
-
-    Returns:
-        A new draft (on the current default device).
-    """
-    options = DeepseekV41DSparkConfig(
-        text_config=text,
-        num_draft_layers=int(args["draft_num_hidden_layers"] or text.num_nextn_predict_layers),
-        target_layer_ids=tuple(target_layer_ids),
-        block_size=block_size,
-        num_anchors=num_anchors,
-        mask_token_id=mask_token_id,
-        markov_rank=int(args["markov_rank"] or text.dspark_markov_rank),
-        markov_head_type=str(args["markov_head_type"]),
-        confidence_head_alpha=float(args["confidence_head_alpha"]),
-        confidence_head_with_markov=bool(args["confidence_head_with_markov"]),
-        confidence_head_stop_gradient=bool(args["confidence_head_stop_gradient"]),
-    )
-    draft_cls = resolve_dspark_draft(architectures)
-    if not issubclass(draft_cls, DeepseekV41PackedDSparkModel):
-        raise ValueError(f"no packed DSpark draft is registered for {architectures}; reinstall the plugin")
-    return draft_cls.from_options(options, backend=cpu_backend(attn=str(args["draft_attn_backend"]), experts="torch"))
 
 
 class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
@@ -295,7 +85,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         require_v41_checkpoint(target_path, bool(args["trust_remote_code"]))
 
         distributed = self.cfg.get("distributed", None)
-        cp_size = int(_get(distributed, "cp_size", 1) or 1)
+        cp_size = int(section_get(distributed, "cp_size", 1) or 1)
         self.device_mesh = self.distributed_setup = self.cp_mesh = self.dp_mesh = None
         if cp_size > 1:
             self.device_mesh = init_device_mesh(
@@ -354,7 +144,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             l1_loss_alpha=float(args["l1_loss_alpha"]),
             confidence_head_alpha=float(args["confidence_head_alpha"]),
         ).to(self.device)
-        self.parallel_strategy = str(_get(distributed, "strategy", "ddp")).lower() if world_size > 1 else "ddp"
+        self.parallel_strategy = str(section_get(distributed, "strategy", "ddp")).lower() if world_size > 1 else "ddp"
         self.trainer_module = self._parallelize(trainer_module, world_size)
         self._precompute_fp8_scales = False
 
@@ -528,49 +318,4 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             self._tokens_seen, self._data_checksum = int(state["tokens_seen"]), int(state["data_checksum"])
 
 
-class ResumedEpochLoader:
-    """A dataloader whose first epoch starts ``skip`` micro-batches in (the resume point).
-
-    The skipped batches are the ones the checkpointed steps already trained on, so a resumed
-    run neither repeats nor drops data. Creating that first iterator leaves the global RNG as
-    the checkpoint restored it: in the uninterrupted run its draw happened before the
-    checkpoint, and anchor sampling must continue from the same RNG state.
-
-    Args:
-        loader: The epoch's DataLoader (deterministic order per epoch: ``sampler.set_epoch``).
-        skip: Micro-batches to skip in the first epoch iterated.
-    """
-
-    def __init__(self, loader, skip: int) -> None:
-        self.loader = loader
-        self.skip = int(skip)
-
-    @property
-    def sampler(self):
-        return self.loader.sampler
-
-    @property
-    def dataset(self):
-        return self.loader.dataset
-
-    def __len__(self) -> int:
-        return len(self.loader) - self.skip
-
-    def __iter__(self):
-        if not self.skip:
-            return iter(self.loader)
-        with torch.random.fork_rng(devices=[]):
-            iterator = iter(self.loader)
-        skip, self.skip = self.skip, 0
-        return itertools.islice(iterator, skip, None)
-
-
-__all__ = [
-    "RECIPE_ARGS",
-    "ResumedEpochLoader",
-    "TrainPackedDSparkV41Recipe",
-    "build_packed_draft",
-    "load_local_target",
-    "require_v41_checkpoint",
-    "validate_recipe_config",
-]
+__all__ = ["TrainPackedDSparkV41Recipe"]

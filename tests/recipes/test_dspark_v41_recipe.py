@@ -16,12 +16,9 @@ from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCa
 
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
-from nemo_automodel_ext.recipes.dspark_v41 import (
-    TrainPackedDSparkV41Recipe,
-    build_packed_draft,
-    require_v41_checkpoint,
-    validate_recipe_config,
-)
+from nemo_automodel_ext.recipes.builders import build_packed_draft, require_v41_checkpoint
+from nemo_automodel_ext.recipes.config import validate_recipe_config
+from nemo_automodel_ext.recipes.dspark_v41 import TrainPackedDSparkV41Recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))

@@ -1,64 +1,102 @@
-"""The V4.1 DSpark draft on packed rows: every draft block stays inside its anchor's document.
+"""The V4.1 DSpark draft, windowed and packed: its cost follows its anchors, not the row.
 
-nemo_automodel 0.7.0's ``DeepseekV41DSparkModel`` takes no packing metadata, so on packed
-rows its anchor blocks would read context and labels of neighbouring documents (the
-recipe refuses it for that reason). ``DeepseekV41PackedDSparkModel`` keeps the released
-module, its weights and checkpoint keys, and adds the packed contract of upstream's
-Qwen3 draft through the draft's own extension points:
+nemo_automodel 0.7.0's ``DeepseekV41DSparkModel`` builds a dense additive mask [batch, 1,
+anchors * block, row + anchors * block] and projects every row token as context, although a
+block only reads the ``sliding_window`` tokens before its anchor; it also takes no packing
+metadata. ``DeepseekV41PackedDSparkModel`` keeps the released module, weights and checkpoint
+keys and changes what is computed:
 
-- positions: the context uses the batch's document-local ``position_ids``; a block's
-  positions continue from its anchor's (``common.create_position_ids``);
-- attention: a block sees only context tokens of its anchor's document
-  (``common.context_doc_ids``), on top of the released sliding-window mask;
-- supervision: each block is truncated at its anchor's document end
-  (``common.build_eval_mask`` with ``doc_remaining``).
+- context: only the union of the anchors' windows is gathered and projected
+  (``draft_windows``), and each block attends to its window, its block and the sink
+  (``WindowedDSparkAttention``): memory and time are flat in the row at fixed anchors;
+- packed rows (``seq_lens``): windows stop at the anchor's document start, positions are the
+  batch's document-local ``position_ids``, supervision stops at the document end, and anchors
+  are sampled per document (``anchors.select_packed_anchors``) only where they supervise;
+- explicit anchors (``anchor_positions``): evaluation and context parallelism choose them.
+
+Unpacked rows sample anchors with upstream's ``sample_anchor_positions`` (same RNG use), so
+the released dense path is the reference the windowed one is tested against.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41DSparkConfig
+from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41DSparkConfig, DeepseekV41TextConfig
 from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
 from nemo_automodel.components.speculative.dspark.common import (
     DSparkForwardOutput,
-    build_eval_mask,
-    context_doc_ids,
+    create_noise_embed,
     create_position_ids,
+    sample_anchor_positions,
 )
 
-
-@dataclasses.dataclass
-class _PackedRows:
-    """Packing metadata of the forward in flight; ``anchor_positions`` is recorded during it."""
-
-    position_ids: torch.Tensor
-    document_ids: torch.Tensor
-    anchor_positions: torch.Tensor | None = None
+from nemo_automodel_ext.models.deepseek_v41.anchors import block_supervision, compact_anchors, select_packed_anchors
+from nemo_automodel_ext.models.deepseek_v41.draft_attention import use_windowed_attention
+from nemo_automodel_ext.models.deepseek_v41.draft_windows import draft_windows
+from nemo_automodel_ext.models.deepseek_v41.packing import document_bounds, gather_columns
 
 
 class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
-    """``DeepseekV41DSparkModel`` that also accepts packed rows (``seq_lens``).
+    """``DeepseekV41DSparkModel`` with windowed attention, packed rows and explicit anchors.
 
-    Same constructor, parameters and state-dict keys as upstream; unpacked calls are
-    upstream's forward unchanged.
+    Same constructor (plus the packed anchor budget), parameters and state-dict keys as upstream.
+
+    Args:
+        config, backend, num_anchors, enable_confidence_head, confidence_head_stop_gradient:
+            upstream's. ``num_anchors`` is the anchor count of an unpacked row.
+        anchors_per_document: Packed rows: anchors each document may get (default
+            ``num_anchors``, the supervision it would get unpacked).
+        max_anchors_per_row: Packed rows: optional cap on a row's anchors (a memory bound).
     """
 
-    _packed: _PackedRows | None = None
+    def __init__(
+        self,
+        config: DeepseekV41TextConfig,
+        backend=None,
+        *,
+        num_anchors: int,
+        enable_confidence_head: bool,
+        confidence_head_stop_gradient: bool = False,
+        anchors_per_document: int | None = None,
+        max_anchors_per_row: int | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            backend,
+            num_anchors=num_anchors,
+            enable_confidence_head=enable_confidence_head,
+            confidence_head_stop_gradient=confidence_head_stop_gradient,
+        )
+        use_windowed_attention(self)
+        self.anchors_per_document = self.num_anchors if anchors_per_document is None else int(anchors_per_document)
+        self.max_anchors_per_row = None if max_anchors_per_row is None else int(max_anchors_per_row)
+        if self.anchors_per_document <= 0 or (self.max_anchors_per_row is not None and self.max_anchors_per_row <= 0):
+            raise ValueError(
+                f"anchors_per_document ({self.anchors_per_document}) and max_anchors_per_row "
+                f"({self.max_anchors_per_row}) must be positive"
+            )
 
     @classmethod
-    def from_options(cls, options: DeepseekV41DSparkConfig, **kwargs: Any) -> DeepseekV41PackedDSparkModel:
+    def from_options(
+        cls,
+        options: DeepseekV41DSparkConfig,
+        *,
+        anchors_per_document: int | None = None,
+        max_anchors_per_row: int | None = None,
+        **kwargs: Any,
+    ) -> DeepseekV41PackedDSparkModel:
         """Build from upstream's validated draft options.
 
         Args:
             options: ``DeepseekV41DSparkConfig``; its released-contract checks run first
                 (on the meta device, so nothing is allocated twice).
+            anchors_per_document, max_anchors_per_row: the packed anchor budget (see the class).
             **kwargs: Extra constructor arguments (``backend``).
 
         Returns:
-            A new, initialised packed draft.
+            A new, initialised draft.
         """
         with torch.device("meta"):
             reference = options.build()
@@ -67,34 +105,38 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
             num_anchors=reference.num_anchors,
             enable_confidence_head=reference.enable_confidence_head,
             confidence_head_stop_gradient=reference.confidence_head_stop_gradient,
+            anchors_per_document=anchors_per_document,
+            max_anchors_per_row=max_anchors_per_row,
             **kwargs,
         )
 
-    def build_position_ids(self, anchor_positions: torch.Tensor, context_sequence: int) -> torch.Tensor:
-        """Positions [batch, context_sequence + anchors * block_size]; document-local when packed."""
-        if self._packed is None:
-            return super().build_position_ids(anchor_positions, context_sequence)
-        self._packed.anchor_positions = anchor_positions
-        context = self._packed.position_ids
-        draft = create_position_ids(anchor_positions, self.config.dspark_block_size, context)
-        return torch.cat((context, draft), dim=1)
-
-    def build_attention_mask(
+    def sample_anchors(
         self,
-        anchor_positions: torch.Tensor,
-        block_keep_mask: torch.Tensor,
-        context_sequence: int,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """Released mask [batch, 1, draft, context + draft]; packed rows also hide other documents."""
-        mask = super().build_attention_mask(anchor_positions, block_keep_mask, context_sequence, dtype)
-        if self._packed is None:
-            return mask
-        documents = self._packed.document_ids
-        anchor_document = documents.gather(1, anchor_positions).repeat_interleave(self.config.dspark_block_size, 1)
-        foreign = documents.unsqueeze(1) != anchor_document.unsqueeze(2)  # [batch, draft, context]
-        context_mask = mask[..., :context_sequence].masked_fill(foreign.unsqueeze(1), float("-inf"))
-        return torch.cat((context_mask, mask[..., context_sequence:]), dim=-1)
+        loss_mask: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training anchors of a batch, drawn from the default RNG.
+
+        Args:
+            loss_mask: Supervision mask [batch, row].
+            seq_lens: Packed only: document lengths [batch, documents].
+            doc_remaining: Packed only: real tokens after each column in its document [batch, row].
+
+        Returns:
+            ``(anchors, keep)`` [batch, anchors]: int64 columns, kept ones ascending and first,
+            and the bool keep mask. Unpacked rows: upstream's ``sample_anchor_positions`` with
+            ``num_anchors``; packed rows: ``anchors_per_document`` per document (one host read
+            sizes the result).
+        """
+        if seq_lens is None:
+            return sample_anchor_positions(
+                seq_len=loss_mask.shape[1], loss_mask=loss_mask, num_anchors=self.num_anchors, device=loss_mask.device
+            )
+        selected = select_packed_anchors(
+            loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row
+        )
+        return compact_anchors(selected)
 
     def forward(
         self,
@@ -105,50 +147,144 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         position_ids: torch.Tensor | None = None,
         seq_lens: torch.Tensor | None = None,
         doc_remaining: torch.Tensor | None = None,
+        *,
+        anchor_positions: torch.Tensor | None = None,
+        block_keep_mask: torch.Tensor | None = None,
     ) -> DSparkForwardOutput:
-        """Run DSpark training for sampled anchors, packed or not.
+        """Run DSpark training (or scoring) for sampled or given anchors, packed or not.
 
         Args:
-            input_ids: Target tokens [batch, sequence].
-            target_hidden_states: Target features [batch, sequence, target_layers * hidden].
-            loss_mask: Supervision mask [batch, sequence].
-            target_last_hidden_states: Optional final target states [batch, sequence, hidden].
-            position_ids: Packed only: document-local positions [batch, sequence].
-            seq_lens: Packed only: document lengths [batch, documents], rows summing to sequence.
-            doc_remaining: Packed only: real tokens after each slot in its document [batch, sequence].
+            input_ids: Target tokens [batch, row].
+            target_hidden_states: Target features [batch, row, target_layers * hidden].
+            loss_mask: Supervision mask [batch, row].
+            target_last_hidden_states: Optional final target states [batch, row, hidden], for the
+                probability-distance loss.
+            position_ids: Packed only: document-local positions [batch, row].
+            seq_lens: Packed only: document lengths [batch, documents], in row order.
+            doc_remaining: Packed only: real tokens after each column in its document [batch, row].
+            anchor_positions: Optional anchors [batch, anchors] (kept ones ascending and first);
+                sampled with ``sample_anchors`` when omitted.
+            block_keep_mask: Optional bool [batch, anchors] for ``anchor_positions`` (all kept
+                when omitted).
 
         Returns:
-            Upstream's DSparkForwardOutput; on packed rows ``eval_mask`` is truncated at each
-            anchor's document end. Inputs are not modified.
+            Upstream's DSparkForwardOutput: draft logits [batch, anchors, block, vocab] (fp32),
+            target ids, eval mask (truncated at each anchor's document end on packed rows) and
+            confidence [batch, anchors, block], keep mask [batch, anchors], aligned target
+            logits [batch, anchors, block, vocab] when ``target_last_hidden_states`` is given.
+            New tensors; inputs are not modified.
+
+        Raises:
+            ValueError: naming the argument whose shape does not match ``input_ids``.
         """
-        if seq_lens is None:
-            return super().forward(input_ids, target_hidden_states, loss_mask, target_last_hidden_states)
-        batch, sequence = input_ids.shape
-        for name, value in (("position_ids", position_ids), ("doc_remaining", doc_remaining)):
-            if not isinstance(value, torch.Tensor) or value.shape != (batch, sequence):
-                raise ValueError(
-                    f"packed DSpark draft input needs {name} of shape [batch={batch}, sequence={sequence}]"
-                )
-        self._packed = _PackedRows(position_ids, context_doc_ids(seq_lens, sequence, input_ids.device))
-        try:
-            output = super().forward(input_ids, target_hidden_states, loss_mask, target_last_hidden_states)
-            anchors = self._packed.anchor_positions
-        finally:
-            self._packed = None
-        label_indices = anchors.unsqueeze(-1) + torch.arange(
-            1, self.config.dspark_block_size + 1, device=anchors.device
+        batch, row = input_ids.shape
+        _require_shape("target_hidden_states", target_hidden_states, (batch, row))
+        _require_shape("loss_mask", loss_mask, (batch, row))
+        if target_last_hidden_states is not None:
+            _require_shape("target_last_hidden_states", target_last_hidden_states, (batch, row))
+        if seq_lens is not None:
+            _require_shape("position_ids", position_ids, (batch, row), "packed DSpark draft input needs ")
+            _require_shape("doc_remaining", doc_remaining, (batch, row), "packed DSpark draft input needs ")
+            if not isinstance(seq_lens, torch.Tensor) or seq_lens.ndim != 2 or seq_lens.shape[0] != batch:
+                raise ValueError(f"packed DSpark draft input needs seq_lens of shape [batch={batch}, documents]")
+        else:
+            position_ids = doc_remaining = None
+        if anchor_positions is None:
+            anchor_positions, block_keep_mask = self.sample_anchors(loss_mask, seq_lens, doc_remaining)
+        else:
+            if anchor_positions.ndim != 2 or anchor_positions.shape[0] != batch:
+                raise ValueError(f"anchor_positions must have shape [batch={batch}, anchors]")
+            if block_keep_mask is None:
+                block_keep_mask = torch.ones_like(anchor_positions, dtype=torch.bool)
+            elif block_keep_mask.shape != anchor_positions.shape:
+                raise ValueError("block_keep_mask must have the shape of anchor_positions")
+        return self._forward_anchors(
+            input_ids,
+            target_hidden_states,
+            loss_mask,
+            target_last_hidden_states,
+            anchor_positions.long(),
+            block_keep_mask.bool(),
+            position_ids,
+            seq_lens,
+            doc_remaining,
         )
-        safe_label_indices = label_indices.clamp(max=sequence - 1).masked_fill(~output.block_keep_mask.unsqueeze(-1), 0)
-        eval_mask = build_eval_mask(
-            seq_len=sequence,
-            loss_mask=loss_mask,
-            label_indices=label_indices,
-            safe_label_indices=safe_label_indices,
-            block_keep_mask=output.block_keep_mask,
-            doc_remaining=doc_remaining,
-            anchor_positions=anchors,
+
+    def _forward_anchors(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        seq_lens: torch.Tensor | None,
+        doc_remaining: torch.Tensor | None,
+    ) -> DSparkForwardOutput:
+        """``forward`` once the anchors [batch, anchors] and keep mask are known (arguments as there)."""
+        batch, row = input_ids.shape
+        count = anchors.shape[1]
+        block = self.config.dspark_block_size
+        document_starts = torch.zeros_like(anchors) if seq_lens is None else document_bounds(seq_lens, anchors).start
+        windows = draft_windows(anchors, keep, document_starts, self.config.sliding_window, row)
+
+        _, safe_columns, eval_mask = block_supervision(anchors, keep, loss_mask, block, doc_remaining)
+        target_ids = input_ids.gather(1, safe_columns.view(batch, -1)).view(batch, count, block)
+        anchor_tokens = input_ids.gather(1, anchors)
+        previous_token_ids = torch.cat((anchor_tokens.unsqueeze(-1), target_ids[..., :-1]), dim=-1)
+        noise_embeddings = create_noise_embed(
+            self.embed_tokens,
+            input_ids,
+            anchors,
+            keep,
+            mask_token_id=self.config.dspark_noise_token_id,
+            block_size=block,
         )
-        return dataclasses.replace(output, eval_mask=eval_mask)
+        row_positions = position_ids if position_ids is not None else torch.arange(row, device=anchors.device)
+        context_positions = row_positions.expand(batch, row).gather(1, windows.context_columns.clamp_min(0))
+        draft_positions = create_position_ids(anchors, block, position_ids)
+        backbone_output = super(DeepseekV41DSparkModel, self).forward(
+            noise_embeddings,
+            windows.gather_context(target_hidden_states.detach(), row),
+            position_ids=torch.cat((context_positions, draft_positions), dim=1),
+            attention_mask=windows,
+            previous_token_ids=previous_token_ids.view(batch, -1),
+            enable_confidence_head=self.enable_confidence_head,
+            confidence_head_stop_gradient=self.confidence_head_stop_gradient,
+        )
+        if backbone_output.transition_logits is None:
+            raise RuntimeError("The final DSpark stage did not produce Markov logits")
+
+        aligned_target_logits = None
+        if target_last_hidden_states is not None:
+            # The target's state at column c predicts the token at c + 1.
+            teacher = gather_columns(
+                target_last_hidden_states.detach(),
+                (safe_columns - 1).clamp_min(0).view(batch, -1),
+                row,
+                0,
+                "target_last_hidden_states",
+            )
+            aligned_target_logits = self.compute_logits(teacher.view(batch, count, block, -1))
+        normalized = backbone_output.normalized_hidden_states.view(batch, count, block, -1)
+        transition = backbone_output.transition_logits.view(batch, count, block, -1)
+        confidence = backbone_output.confidence_pred
+        return DSparkForwardOutput(
+            draft_logits=self.compute_logits(normalized) + transition.float(),
+            target_ids=target_ids,
+            eval_mask=eval_mask,
+            block_keep_mask=keep,
+            confidence_pred=None if confidence is None else confidence.view(batch, count, block),
+            aligned_target_logits=aligned_target_logits,
+        )
+
+
+def _require_shape(name: str, value: object, leading: tuple[int, ...], prefix: str = "") -> None:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape[: len(leading)]) != leading:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        dims = ", ".join(f"{axis}={size}" for axis, size in zip(("batch", "sequence"), leading))
+        raise ValueError(f"{prefix}{name} of shape [{dims}, ...], got {got}")
 
 
 __all__ = ["DeepseekV41PackedDSparkModel"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -47,7 +48,7 @@ class PackedSequenceLayout:
             Independent tensor [batch, padded_sequence, ...], preserving gradients of real tokens.
             It is the only tensor of that size allocated; ``values`` is never modified.
         """
-        return _gather_columns(values, self.source_indices, self.input_positions.shape[1], fill, "values")
+        return gather_columns(values, self.source_indices, self.input_positions.shape[1], fill, "values")
 
     def restore(self, values: torch.Tensor) -> torch.Tensor:
         """Restore caller coordinates, returning zeros at original padding slots.
@@ -59,10 +60,10 @@ class PackedSequenceLayout:
             Independent tensor [batch, original_sequence, ...] retaining real-token gradients.
             It is the only tensor of that size allocated; ``values`` is never modified.
         """
-        return _gather_columns(values, self.input_positions, self.source_indices.shape[1], 0, "values")
+        return gather_columns(values, self.input_positions, self.source_indices.shape[1], 0, "values")
 
 
-def _gather_columns(
+def gather_columns(
     values: torch.Tensor, index: torch.Tensor, expected_columns: int, fill: int | float, name: str
 ) -> torch.Tensor:
     """Gather ``values[b, index[b, j]]`` into one fresh tensor, writing ``fill`` where ``index`` is -1.
@@ -107,6 +108,46 @@ def _gather_columns(
         padding = (~valid).view(-1).nonzero().squeeze(1)
         return result.view(batch * columns, *trailing).index_fill_(0, padding, fill).view(result.shape)
     return result.masked_fill_(~valid, fill)
+
+
+class DocumentBounds(NamedTuple):
+    """The document holding each queried column of a packed row (see ``document_bounds``).
+
+    Attributes:
+        index: Document slot [batch, n] along the ``seq_lens`` axis; ``documents`` past the last one.
+        start: First column [batch, n] of that document.
+        end: One past its last column [batch, n]; ``start == end`` past the last document.
+    """
+
+    index: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+
+
+def document_bounds(seq_lens: torch.Tensor, columns: torch.Tensor) -> DocumentBounds:
+    """Locate the documents of a directly concatenated packed row that hold ``columns``.
+
+    Args:
+        seq_lens: Integer lengths [batch, documents] in row order; 0 and -1000 mark absent
+            documents, which hold no column and never split their neighbours.
+        columns: Integer columns [batch, n] of the caller's row.
+
+    Returns:
+        DocumentBounds of new int64 tensors [batch, n] on ``columns.device``. The search is
+        ``O(n log documents)``: no [n, documents] table is built. Inputs are not modified.
+    """
+    lengths = seq_lens.to(device=columns.device, dtype=torch.long)
+    real = lengths.where((lengths != ABSENT_LENGTHS[0]) & (lengths != ABSENT_LENGTHS[1]), 0).clamp_min(0)
+    ends = real.cumsum(1)
+    index = torch.searchsorted(ends, columns.long().contiguous(), right=True)
+    if real.shape[1] == 0:
+        zero = torch.zeros_like(index)
+        return DocumentBounds(index, zero, zero)
+    slot = index.clamp(max=real.shape[1] - 1)
+    end = ends.gather(1, slot)
+    start = end - real.gather(1, slot)
+    # Past the last document the clamped slot ends at the row's total: an empty span there.
+    return DocumentBounds(index, start.where(index < real.shape[1], end), end)
 
 
 def _take(owner: torch.Tensor, shape: tuple[int, int], table: torch.Tensor) -> torch.Tensor:
@@ -342,8 +383,11 @@ def packed_layout(
 
 __all__ = [
     "ABSENT_LENGTHS",
+    "DocumentBounds",
     "PackedLayoutPlan",
     "PackedSequenceLayout",
+    "document_bounds",
+    "gather_columns",
     "packed_layout",
     "plan_packed_layout",
     "round_up",

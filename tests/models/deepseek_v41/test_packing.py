@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from nemo_automodel.components.models.deepseek_v41 import packing as upstream
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_automodel_ext.models.deepseek_v41.packing import PackedSequenceLayout, packed_layout
+from nemo_automodel_ext.models.deepseek_v41.packing import PackedSequenceLayout, document_bounds, packed_layout
 
 FIELDS = ("source_indices", "input_positions", "position_ids", "sequence_ids")
 
@@ -268,3 +268,21 @@ def test_layout_is_frozen_dataclass():
     assert isinstance(layout, PackedSequenceLayout)
     with pytest.raises(AttributeError):
         layout.position_ids = None
+
+
+def test_document_bounds_match_a_walk_over_the_row():
+    """Start, end and slot of each column's document; absent entries (0, -1000) split nothing."""
+    seq_lens = torch.tensor([[3, 0, 4, -1000, 2], [5, 5, 0, 0, 0]], dtype=torch.int32)
+    columns = torch.arange(11).expand(2, -1)
+    bounds = document_bounds(seq_lens, columns)
+    expected = {0: [], 1: []}
+    for row, lengths in enumerate(seq_lens.tolist()):
+        start = 0
+        for slot, length in enumerate(lengths):
+            if length > 0:
+                expected[row] += [(slot, start, start + length)] * length
+                start += length
+        expected[row] += [(len(lengths), start, start)] * (11 - start)
+    for row in range(2):
+        got = list(zip(bounds.index[row].tolist(), bounds.start[row].tolist(), bounds.end[row].tolist()))
+        assert got == expected[row]

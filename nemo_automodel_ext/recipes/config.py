@@ -1,0 +1,143 @@
+"""Configuration of the packed V4.1 DSpark recipe: every ``recipe_args`` key, and its validation.
+
+``validate_recipe_config`` runs before anything is built or written: an unknown key, a missing
+required key or an impossible layout stops the run with a ValueError naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from typing import Any
+
+#: Every recipe_args key this recipe reads, with its default (None: required or optional).
+RECIPE_ARGS: dict[str, Any] = {
+    "target_model_name_or_path": None,
+    "tiny_assets_dir": None,
+    "trust_remote_code": False,
+    "target_builder": "automodel",
+    "target_attn_backend": "tilelang",
+    "target_dispatcher": "hybridep",
+    "target_experts": "torch_mm",
+    "target_enable_fsdp_optimizations": True,
+    "draft_attn_backend": "sdpa",
+    "chat_template": None,
+    "train_data_path": None,
+    "val_data_path": None,
+    "train_split": None,
+    "val_split": None,
+    "seq_length": None,
+    "packed_sequence_size": 0,
+    "micro_batch_size": 1,
+    "num_workers": 0,
+    "num_epochs": 1,
+    "shuffle_seed": 42,
+    "mask_reasoning_content": False,
+    "mask_generation_prompt": False,
+    "draft_num_hidden_layers": None,
+    "target_layer_ids": None,
+    "block_size": None,
+    "num_anchors": 512,
+    "num_anchors_per_document": None,
+    "max_anchors_per_row": None,
+    "mask_token_id": None,
+    "markov_rank": None,
+    "markov_head_type": "vanilla",
+    "confidence_head_alpha": 1.0,
+    "confidence_head_with_markov": True,
+    "confidence_head_stop_gradient": False,
+    "freeze_embeddings": True,
+    "loss_decay_gamma": None,
+    "ce_loss_alpha": 0.1,
+    "l1_loss_alpha": 0.9,
+    "grad_accumulation_steps": 1,
+    "max_grad_norm": 1.0,
+    "log_every_steps": 10,
+    "ckpt_every_steps": None,
+    "save_checkpoint_every_epoch": False,
+    "output_dir": None,
+}
+TARGET_BUILDERS = ("local", "automodel")
+
+
+def section_get(section: Any, key: str, default: Any = None) -> Any:
+    """``section[key]`` of an optional config section, ``default`` when either is missing."""
+    return section.get(key, default) if section is not None else default
+
+
+def validate_recipe_config(
+    cfg: Any, world_size: int, device_type: str, require_packages: bool = True
+) -> dict[str, Any]:
+    """Check a packed V4.1 DSpark config before anything is built.
+
+    Args:
+        cfg: The loaded ``ConfigNode``.
+        world_size: Number of ranks of the run.
+        device_type: ``"cuda"`` or ``"cpu"``.
+        require_packages: Also check that optional packages the config needs (HybridEP) import.
+
+    Returns:
+        ``recipe_args`` as a plain dict with defaults filled in.
+
+    Raises:
+        ValueError: naming the key and what to change: unknown keys, missing required keys,
+            impossible parallel sizes, a dispatcher or backend that cannot run here.
+    """
+    section = cfg.get("recipe_args", None)
+    if section is None:
+        raise ValueError("the config needs a recipe_args section")
+    raw = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+    unknown = sorted(set(raw) - set(RECIPE_ARGS))
+    if unknown:
+        hints = [
+            f"{key} (did you mean {match[0]}?)" if (match := difflib.get_close_matches(key, RECIPE_ARGS, 1)) else key
+            for key in unknown
+        ]
+        raise ValueError(f"unknown recipe_args keys: {', '.join(hints)}")
+    args = {**RECIPE_ARGS, **raw}
+    for key in ("target_model_name_or_path", "train_data_path", "seq_length", "output_dir", "mask_token_id"):
+        if args[key] is None:
+            raise ValueError(f"recipe_args.{key} is required")
+    if args["target_builder"] not in TARGET_BUILDERS:
+        raise ValueError(f"recipe_args.target_builder must be one of {TARGET_BUILDERS}, got {args['target_builder']!r}")
+    if args["target_builder"] == "automodel" and device_type != "cuda":
+        raise ValueError(
+            "recipe_args.target_builder=automodel loads the target with EP/FSDP and needs CUDA; "
+            "on CPU use target_builder: local with a CPU backend (target_attn_backend: eager, target_dispatcher: torch)"
+        )
+    packed = int(args["packed_sequence_size"] or 0)
+    if packed < 0 or (packed and packed > int(args["seq_length"])):
+        raise ValueError(
+            f"recipe_args.packed_sequence_size must be 0 (off) or in [1, seq_length={args['seq_length']}], got {packed}"
+        )
+    distributed = cfg.get("distributed", None)
+    cp_size = int(section_get(distributed, "cp_size", 1) or 1)
+    for axis in ("tp_size", "pp_size"):
+        if int(section_get(distributed, axis, 1) or 1) != 1:
+            raise ValueError(f"distributed.{axis} must be 1 for DSpark (one non-pipelined target forward per rank)")
+    if cp_size < 1 or world_size % cp_size:
+        raise ValueError(f"distributed.cp_size={cp_size} must divide the number of ranks ({world_size})")
+    if cp_size > 1 and not packed:
+        raise ValueError("distributed.cp_size > 1 needs packed batches: set recipe_args.packed_sequence_size > 0")
+    if cp_size > 1 and int(args["seq_length"]) < cp_size:
+        raise ValueError(f"recipe_args.seq_length={args['seq_length']} is shorter than distributed.cp_size={cp_size}")
+    dispatcher = args["target_dispatcher"]
+    if dispatcher == "hybridep":
+        if device_type != "cuda":
+            raise ValueError(
+                "target_dispatcher=hybridep needs CUDA GPUs; on CPU set recipe_args.target_dispatcher: torch"
+            )
+        if require_packages and importlib.util.find_spec("deep_ep") is None:
+            raise ValueError(
+                "target_dispatcher=hybridep needs the HybridEP package (deep_ep with HybridEPBuffer); install it or "
+                "set recipe_args.target_dispatcher: deepep or torch"
+            )
+    if device_type != "cuda" and args["target_attn_backend"] == "tilelang":
+        raise ValueError("target_attn_backend=tilelang needs CUDA; on CPU set recipe_args.target_attn_backend: eager")
+    strategy = str(section_get(distributed, "strategy", "ddp")).lower()
+    if strategy not in ("ddp", "fsdp2"):
+        raise ValueError(f"distributed.strategy must be ddp or fsdp2, got {strategy!r}")
+    return args
+
+
+__all__ = ["RECIPE_ARGS", "TARGET_BUILDERS", "section_get", "validate_recipe_config"]
