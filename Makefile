@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv distill test bench clean
+.PHONY: venv distill eval test bench clean
 
 venv: $(STAMP)
 
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 # The framework CLI under torchrun: `automodel <yaml>` alone asks CUDA for a device count and
 # fails on CPU-only machines (nemo_automodel 0.7.0), so launch one local worker explicitly.
 DISTILL_YAML ?= recipes/deepseek_v41/dspark_tiny_cpu.yaml
+DISTILL_RUN ?= outputs/dspark_tiny_cpu
 distill: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 -m nemo_automodel.cli.app $(DISTILL_YAML) $(ARGS)
+	@$(MAKE) --no-print-directory eval
+
+# Exact greedy acceptance of the latest checkpoint beside the draft at initialisation; writes eval.json.
+eval: $(STAMP)
+	$(PY) -m nemo_automodel_ext.evaluation $(DISTILL_RUN) $(EVAL_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

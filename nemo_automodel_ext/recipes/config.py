@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 from typing import Any
 
 #: Every recipe_args key this recipe reads, with its default (None: required or optional).
@@ -53,11 +54,33 @@ RECIPE_ARGS: dict[str, Any] = {
     "grad_accumulation_steps": 1,
     "max_grad_norm": 1.0,
     "log_every_steps": 10,
+    "eval_every_steps": None,
     "ckpt_every_steps": None,
     "save_checkpoint_every_epoch": False,
     "output_dir": None,
 }
 TARGET_BUILDERS = ("local", "automodel")
+MARKOV_HEAD_TYPES = ("vanilla",)  # the released V4.1 draft's head (upstream refuses others)
+#: Integer keys and their smallest allowed value (None also allowed where the default is None).
+INTEGER_KEYS = {
+    "seq_length": 1,
+    "micro_batch_size": 1,
+    "num_workers": 0,
+    "num_epochs": 1,
+    "grad_accumulation_steps": 1,
+    "log_every_steps": 1,
+    "ckpt_every_steps": 1,
+    "eval_every_steps": 1,
+    "num_anchors": 1,
+    "num_anchors_per_document": 1,
+    "max_anchors_per_row": 1,
+    "block_size": 1,
+    "markov_rank": 1,
+    "draft_num_hidden_layers": 1,
+    "mask_token_id": 0,
+    "shuffle_seed": 0,
+}
+LOSS_WEIGHTS = ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha")
 
 
 def section_get(section: Any, key: str, default: Any = None) -> Any:
@@ -98,6 +121,7 @@ def validate_recipe_config(
     for key in ("target_model_name_or_path", "train_data_path", "seq_length", "output_dir", "mask_token_id"):
         if args[key] is None:
             raise ValueError(f"recipe_args.{key} is required")
+    _validate_numbers(args)
     if args["target_builder"] not in TARGET_BUILDERS:
         raise ValueError(f"recipe_args.target_builder must be one of {TARGET_BUILDERS}, got {args['target_builder']!r}")
     if args["target_builder"] == "automodel" and device_type != "cuda":
@@ -110,8 +134,13 @@ def validate_recipe_config(
         raise ValueError(
             f"recipe_args.packed_sequence_size must be 0 (off) or in [1, seq_length={args['seq_length']}], got {packed}"
         )
+    if args["eval_every_steps"] is not None and args["val_data_path"] is None:
+        raise ValueError("recipe_args.eval_every_steps needs held-out prompts: set recipe_args.val_data_path")
     distributed = cfg.get("distributed", None)
-    cp_size = int(section_get(distributed, "cp_size", 1) or 1)
+    cp_size = section_get(distributed, "cp_size", 1)
+    cp_size = 1 if cp_size is None else cp_size
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"distributed.cp_size must be an integer >= 1, got {cp_size!r}")
     for axis in ("tp_size", "pp_size"):
         if int(section_get(distributed, axis, 1) or 1) != 1:
             raise ValueError(f"distributed.{axis} must be 1 for DSpark (one non-pipelined target forward per rank)")
@@ -138,6 +167,35 @@ def validate_recipe_config(
     if strategy not in ("ddp", "fsdp2"):
         raise ValueError(f"distributed.strategy must be ddp or fsdp2, got {strategy!r}")
     return args
+
+
+def _validate_numbers(args: dict[str, Any]) -> None:
+    """Every integer, loss-weight and choice key of ``recipe_args``: a ValueError naming the first bad one."""
+    for key, minimum in INTEGER_KEYS.items():
+        value = args[key]
+        if value is None and RECIPE_ARGS[key] is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"recipe_args.{key} must be an integer >= {minimum}, got {value!r}")
+    for key in (*LOSS_WEIGHTS, "max_grad_norm", "loss_decay_gamma"):
+        value = args[key]
+        if value is None and key in ("max_grad_norm", "loss_decay_gamma"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"recipe_args.{key} must be a finite number >= 0, got {value!r}")
+    if args["ce_loss_alpha"] == 0 and args["l1_loss_alpha"] == 0:
+        raise ValueError("recipe_args.ce_loss_alpha and l1_loss_alpha are both 0: the draft would learn nothing")
+    if args["markov_head_type"] not in MARKOV_HEAD_TYPES:
+        raise ValueError(
+            f"recipe_args.markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {args['markov_head_type']!r}"
+        )
+    layers = args["target_layer_ids"]
+    if layers is not None:
+        layers = list(layers)
+        if not layers or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers):
+            raise ValueError(f"recipe_args.target_layer_ids must be a non-empty list of integers, got {layers!r}")
+        if any(later <= earlier for earlier, later in zip(layers, layers[1:])) or layers[0] < 0:
+            raise ValueError(f"recipe_args.target_layer_ids must be strictly increasing layer ids >= 0, got {layers}")
 
 
 __all__ = ["RECIPE_ARGS", "TARGET_BUILDERS", "section_get", "validate_recipe_config"]

@@ -14,7 +14,10 @@ What it builds instead:
   through ``dspark_packed_forward`` or, with ``distributed.cp_size > 1``, the CP shard;
 - the plugin's packed draft (``DeepseekV41PackedDSparkModel``), validated by upstream's
   ``DeepseekV41DSparkConfig``;
-- ``metrics.jsonl`` and progress lines with tokens/s and ETA (``progress.py``).
+- ``metrics.jsonl`` and one progress line per logged step with tokens/s and ETA
+  (``progress.py``), W&B from the config's ``wandb:`` section as upstream's recipe does;
+- exact greedy acceptance on the validation set every ``eval_every_steps`` and at each epoch's
+  end (``acceptance_eval.py``), and ``training_curves.png`` at the end (``plots.py``).
 
 Run it with the framework's CLI: ``automodel recipes/deepseek_v41/dspark_tiny_cpu.yaml``.
 """
@@ -44,6 +47,7 @@ from nemo_automodel.recipes.llm._spec_train_utils import make_warmup_cosine_sche
 from nemo_automodel.recipes.llm.train_dspark import (
     TrainDSparkRecipe,
     _build_dspark_optimizer,
+    _init_dspark_wandb,
     _resolve_warmup_steps,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -53,9 +57,11 @@ from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41Packe
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_alignment
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
+from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
 from nemo_automodel_ext.recipes.builders import build_packed_draft, load_local_target, require_v41_checkpoint
 from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
-from nemo_automodel_ext.recipes.progress import ProgressMetricLogger
+from nemo_automodel_ext.recipes.plots import plot_training_curves
+from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
 
@@ -194,7 +200,25 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             if self.dist_env.is_main
             else None
         )
-        self.wandb_run = None
+        self.wandb_run = _init_dspark_wandb(
+            is_main=self.dist_env.is_main,
+            wandb_cfg=self.cfg.get("wandb", None),
+            cfg_dict=self.cfg.to_dict(),
+            default_name="dspark_" + target_path.rstrip("/").split("/")[-1],
+        )
+        quiet_upstream_step_lines()
+        self._counting_tokens, self._epoch = True, self._resume_epoch
+        self.acceptance = AcceptanceEvaluator(
+            self.target_wrapper,
+            lambda: self._module().draft_model,
+            self.val_dataloader,
+            args["eval_every_steps"],
+            root=self.trainer_module,
+            process_group=self.dp_mesh.get_group()
+            if self.dp_mesh is not None
+            else (dist.group.WORLD if world_size > 1 else None),
+            is_main=self.dist_env.is_main,
+        )
         if self.dist_env.is_main:
             logger.info(
                 "DSpark V4.1: %d optimizer steps (%d epochs x %d batches), packed_sequence_size=%d, output %s",
@@ -291,8 +315,53 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         done = self.runtime.global_step - self._resume_epoch * steps_per_epoch
         return min(max(done, 0) * self.grad_accumulation_steps, batches)
 
+    def _make_progress_bar(self, total: int | None = None, initial: int = 0):
+        """No tqdm bar: the progress line of each logged step carries the step, tokens/s and ETA."""
+        return None
+
+    def _maybe_save_step_checkpoint(self, epoch: int) -> bool:
+        """Upstream's step checkpoint, then the greedy acceptance evaluation when it is due."""
+        saved = super()._maybe_save_step_checkpoint(epoch)
+        self._epoch = epoch
+        if self.acceptance.due(self.runtime.global_step):
+            self._log_eval(self.acceptance.run(self.runtime.global_step))
+        return saved
+
+    def _run_eval(self):
+        """Upstream's teacher-forced validation (not counted as training tokens) plus greedy acceptance."""
+        self._counting_tokens = False
+        try:
+            metrics = super()._run_eval()
+        finally:
+            self._counting_tokens = True
+        if metrics is None:
+            return None
+        metrics.update(self.acceptance.run(self.runtime.global_step))
+        self._log_eval(metrics, wandb=False)  # upstream logs the returned metrics to W&B
+        return metrics
+
+    def _log_eval(self, metrics: dict[str, float], wandb: bool = True) -> None:
+        if not self.dist_env.is_main or self.metric_logger is None:
+            return
+        self.metric_logger.log_eval(self.runtime.global_step, self._epoch, metrics)
+        if wandb:
+            self._wandb_log({f"val/{key}": value for key, value in metrics.items()}, step=self.runtime.global_step)
+
+    def run_train_validation_loop(self):
+        """Upstream's loop, after a step-0 acceptance baseline; rank 0 then draws ``training_curves.png``."""
+        if self.runtime.global_step == 0 and self.acceptance.every_steps:
+            self._log_eval(self.acceptance.run(0))  # the draft at initialisation
+        super().run_train_validation_loop()
+        if self.dist_env.is_main and (self.output_dir / "metrics.jsonl").exists():
+            logger.info("training curves: %s", plot_training_curves(self.output_dir / "metrics.jsonl"))
+
     def _forward_batch(self, batch):
-        """Upstream's step, plus running counts of real tokens and a data checksum (all dp ranks)."""
+        """Upstream's step, plus running counts of real tokens and a data checksum (all dp ranks).
+
+        Validation batches (``_run_eval``) are not counted.
+        """
+        if not self._counting_tokens:
+            return super()._forward_batch(batch)
         ids = batch["input_ids"].to(torch.long)
         weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.long)
         checksum = int(((ids.cpu() * weights).sum(1) % 1_000_003).sum())

@@ -4,7 +4,9 @@
 hands it one ``MetricsSample`` per logged step (rank 0 only) and it writes one JSON object
 per step (``step``, ``epoch``, ``loss``, ``tokens``, ``tokens_per_s``, ``eta_s``, the recipe's
 running counters and every loss term) to ``metrics.jsonl``, keeps upstream's own ``dspark_train_metrics.jsonl``, and
-logs ``step N/T | loss | tokens/s | ETA``.
+logs ``step N/T | loss | ... | tokens/s | ETA``: the run's one line per logged step
+(``quiet_upstream_step_lines`` drops upstream's duplicate line, the recipe drops its tqdm bar).
+Validation results (``log_eval``) are records with ``"split": "val"``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class ProgressMetricLogger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+            kept = [line for line in self.path.read_text().splitlines() if _record_step(line) <= start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", buffering=1)
         self.total_steps = int(total_steps)
@@ -71,17 +73,27 @@ class ProgressMetricLogger:
         record.update({"tokens_per_s": tokens_per_s, "eta_s": eta if math.isfinite(eta) else None})
         self._file.write(json.dumps(record) + "\n")
         logger.info(
-            "step %d/%d | epoch %d | loss %.4f | ce %.4f | tv %.4f | %.0f tokens/s | tokens %d | ETA %s",
+            "step %d/%d | epoch %d | loss %.4f | ce %.4f | tv %.4f | accept %.3f | tau %.2f | lr %.2e | "
+            "%.0f tokens/s | tokens %d | ETA %s",
             sample.step,
             self.total_steps,
             sample.epoch,
             record.get("loss", float("nan")),
             record.get("ce_loss", float("nan")),
             record.get("l1_loss", float("nan")),
+            record.get("accept_rate", float("nan")),
+            record.get("tau", float("nan")),
+            record.get("lr", float("nan")),
             tokens_per_s,
             tokens,
             format_eta(eta),
         )
+
+    def log_eval(self, step: int, epoch: int, metrics: dict[str, Any]) -> None:
+        """Record validation metrics at ``step`` as one ``"split": "val"`` record."""
+        record = {"step": int(step), "epoch": int(epoch), "split": "val"}
+        record.update({key: float(value) for key, value in metrics.items() if _is_number(value)})
+        self._file.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self.inner is not None:
@@ -89,8 +101,30 @@ class ProgressMetricLogger:
         self._file.close()
 
 
+class _UpstreamStepLine(logging.Filter):
+    """Drops upstream's per-step ``step N | epoch ...`` line; the plugin's line carries its fields."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith("step %d | epoch %d | loss"))
+
+
+def quiet_upstream_step_lines() -> None:
+    """Keep one progress line per logged step: filter upstream ``train_dspark``'s duplicate (idempotent)."""
+    upstream = logging.getLogger("nemo_automodel.recipes.llm.train_dspark")
+    if not any(isinstance(existing, _UpstreamStepLine) for existing in upstream.filters):
+        upstream.addFilter(_UpstreamStepLine())
+
+
+def _record_step(line: str) -> float:
+    """A metrics.jsonl line's step; a partial line (a kill mid-write) sorts after every step, so it is dropped."""
+    try:
+        return float(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-__all__ = ["ProgressMetricLogger", "format_eta"]
+__all__ = ["ProgressMetricLogger", "format_eta", "quiet_upstream_step_lines"]

@@ -183,8 +183,8 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         if target_last_hidden_states is not None:
             _require_shape("target_last_hidden_states", target_last_hidden_states, (batch, row))
         if seq_lens is not None:
-            _require_shape("position_ids", position_ids, (batch, row), "packed DSpark draft input needs ")
-            _require_shape("doc_remaining", doc_remaining, (batch, row), "packed DSpark draft input needs ")
+            _require_shape("position_ids", position_ids, (batch, row), "packed DSpark draft input: ")
+            _require_shape("doc_remaining", doc_remaining, (batch, row), "packed DSpark draft input: ")
             if not isinstance(seq_lens, torch.Tensor) or seq_lens.ndim != 2 or seq_lens.shape[0] != batch:
                 raise ValueError(f"packed DSpark draft input needs seq_lens of shape [batch={batch}, documents]")
         else:
@@ -226,32 +226,12 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         batch, row = input_ids.shape
         count = anchors.shape[1]
         block = self.config.dspark_block_size
-        document_starts = torch.zeros_like(anchors) if seq_lens is None else document_bounds(seq_lens, anchors).start
-        windows = draft_windows(anchors, keep, document_starts, self.config.sliding_window, row)
-
         _, safe_columns, eval_mask = block_supervision(anchors, keep, loss_mask, block, doc_remaining)
         target_ids = input_ids.gather(1, safe_columns.view(batch, -1)).view(batch, count, block)
-        anchor_tokens = input_ids.gather(1, anchors)
-        previous_token_ids = torch.cat((anchor_tokens.unsqueeze(-1), target_ids[..., :-1]), dim=-1)
-        noise_embeddings = create_noise_embed(
-            self.embed_tokens,
-            input_ids,
-            anchors,
-            keep,
-            mask_token_id=self.config.dspark_noise_token_id,
-            block_size=block,
-        )
-        row_positions = position_ids if position_ids is not None else torch.arange(row, device=anchors.device)
-        context_positions = row_positions.expand(batch, row).gather(1, windows.context_columns.clamp_min(0))
-        draft_positions = create_position_ids(anchors, block, position_ids)
-        backbone_output = super(DeepseekV41DSparkModel, self).forward(
-            noise_embeddings,
-            windows.gather_context(target_hidden_states.detach(), row),
-            position_ids=torch.cat((context_positions, draft_positions), dim=1),
-            attention_mask=windows,
-            previous_token_ids=previous_token_ids.view(batch, -1),
-            enable_confidence_head=self.enable_confidence_head,
-            confidence_head_stop_gradient=self.confidence_head_stop_gradient,
+        # Teacher forcing: each slot's Markov input is the token before it (the anchor, then labels).
+        previous_token_ids = torch.cat((input_ids.gather(1, anchors).unsqueeze(-1), target_ids[..., :-1]), dim=-1)
+        backbone_output = self._run_backbone(
+            input_ids, target_hidden_states, anchors, keep, position_ids, seq_lens, previous_token_ids
         )
         if backbone_output.transition_logits is None:
             raise RuntimeError("The final DSpark stage did not produce Markov logits")
@@ -279,12 +259,94 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
             aligned_target_logits=aligned_target_logits,
         )
 
+    def _run_backbone(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        seq_lens: torch.Tensor | None,
+        previous_token_ids: torch.Tensor | None,
+    ):
+        """The released backbone over the anchors' blocks and the union of their windows.
+
+        Args:
+            input_ids, target_hidden_states, position_ids, seq_lens: as in ``forward``.
+            anchors, keep: Anchor columns and keep mask [batch, anchors].
+            previous_token_ids: Markov inputs [batch, anchors, block], or None for states only.
+
+        Returns:
+            Upstream's backbone output: normalized states [batch, anchors * block, hidden] and,
+            with ``previous_token_ids``, Markov logits and confidence.
+        """
+        batch, row = input_ids.shape
+        block = self.config.dspark_block_size
+        document_starts = torch.zeros_like(anchors) if seq_lens is None else document_bounds(seq_lens, anchors).start
+        windows = draft_windows(anchors, keep, document_starts, self.config.sliding_window, row)
+        noise_embeddings = create_noise_embed(
+            self.embed_tokens,
+            input_ids,
+            anchors,
+            keep,
+            mask_token_id=self.config.dspark_noise_token_id,
+            block_size=block,
+        )
+        row_positions = position_ids if position_ids is not None else torch.arange(row, device=anchors.device)
+        context_positions = row_positions.expand(batch, row).gather(1, windows.context_columns.clamp_min(0))
+        draft_positions = create_position_ids(anchors, block, position_ids)
+        return super(DeepseekV41DSparkModel, self).forward(
+            noise_embeddings,
+            windows.gather_context(target_hidden_states.detach(), row),
+            position_ids=torch.cat((context_positions, draft_positions), dim=1),
+            attention_mask=windows,
+            previous_token_ids=None if previous_token_ids is None else previous_token_ids.reshape(batch, -1),
+            enable_confidence_head=self.enable_confidence_head,
+            confidence_head_stop_gradient=self.confidence_head_stop_gradient,
+        )
+
+    def block_logits(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        block_keep_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Proposal logits of the blocks seeded at ``anchor_positions``, without the Markov term.
+
+        A block's states depend on its anchor token, the mask token and the target context before
+        the anchor only, so decoding adds ``markov_logits`` of its own previous proposal to slot k:
+        ``draft_logits[..., k, :] == block_logits[..., k, :] + markov_logits(previous token)``.
+
+        Args:
+            input_ids: Tokens [batch, row]; only anchor tokens are read.
+            target_hidden_states: Target features [batch, row, target_layers * hidden]; only the
+                anchors' windows are read.
+            anchor_positions: Anchors [batch, anchors], kept ones ascending and first.
+            block_keep_mask: Optional bool [batch, anchors] (all kept when omitted).
+            position_ids, seq_lens: Packed rows, as in ``forward``.
+
+        Returns:
+            New fp32 tensor [batch, anchors, block, vocab].
+        """
+        anchors = anchor_positions.long()
+        keep = torch.ones_like(anchors, dtype=torch.bool) if block_keep_mask is None else block_keep_mask.bool()
+        output = self._run_backbone(input_ids, target_hidden_states, anchors, keep, position_ids, seq_lens, None)
+        states = output.normalized_hidden_states.view(*anchors.shape, self.config.dspark_block_size, -1)
+        return self.compute_logits(states)
+
+    def markov_logits(self, previous_token_ids: torch.Tensor) -> torch.Tensor:
+        """The Markov head's fp32 transition logits [..., vocab] for preceding tokens [...]."""
+        return self.mtp[-1].markov_head(previous_token_ids)[0].float()
+
 
 def _require_shape(name: str, value: object, leading: tuple[int, ...], prefix: str = "") -> None:
     if not isinstance(value, torch.Tensor) or tuple(value.shape[: len(leading)]) != leading:
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         dims = ", ".join(f"{axis}={size}" for axis, size in zip(("batch", "sequence"), leading))
-        raise ValueError(f"{prefix}{name} of shape [{dims}, ...], got {got}")
+        raise ValueError(f"{prefix}{name} must have shape [{dims}, ...], got {got}")
 
 
 __all__ = ["DeepseekV41PackedDSparkModel"]

@@ -321,3 +321,15 @@ def test_packed_metadata_is_required(draft):
 def test_budget_must_be_positive():
     with pytest.raises(ValueError, match="anchors_per_document"):
         DeepseekV41PackedDSparkModel.from_options(_options(), anchors_per_document=0)
+
+
+def test_block_logits_plus_markov_is_the_training_logit(draft):
+    """Decoding composes slot k from the block's states and the Markov term of the token before it."""
+    input_ids, features, loss_mask, last = _inputs(7)
+    positions, remaining, _ = _packing(SEQ_LENS)
+    anchors = torch.tensor([[2, 12, 15], [1, 7, 16]])
+    packed = dict(position_ids=positions, seq_lens=SEQ_LENS)
+    output = draft(input_ids, features, loss_mask, doc_remaining=remaining, anchor_positions=anchors, **packed)
+    base = draft.block_logits(input_ids, features, anchors, **packed)
+    previous = torch.cat((input_ids.gather(1, anchors).unsqueeze(-1), output.target_ids[..., :-1]), dim=-1)
+    torch.testing.assert_close(base + draft.markov_logits(previous), output.draft_logits, atol=1e-5, rtol=1e-5)

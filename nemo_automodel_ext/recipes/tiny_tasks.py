@@ -1,0 +1,86 @@
+"""The synthetic chat tasks of the tiny CPU recipe, and their word-level tokenizer.
+
+Every answer is fully determined by its prompt, so a target can solve the tasks exactly and a
+draft can then learn to predict that target:
+
+- ``count up from 37 to 52`` -> ``37 38 ... 52``
+- ``count down from 90 to 81`` -> ``90 89 ... 81``
+- ``count from 12 to 27 by 3`` -> ``12 15 18 21 24 27``
+- ``copy alpha kilo echo`` -> ``alpha kilo echo``
+
+Numbers 0..299 and every word are single tokens (``build_tokenizer``).
+"""
+
+from __future__ import annotations
+
+import random
+
+# Fixed ids: the tiny configs' bos/eos/pad and their DSpark noise (mask) token.
+SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>", "<mask>", "<|user|>", "<|assistant|>", "<unk>")
+COPY_WORDS = (
+    "alpha beta gamma delta echo fox golf hotel india juliet kilo lima "
+    "mike november oscar papa quebec romeo sierra tango uniform victor whiskey yankee"
+).split()
+WORDS = ("please", "count", "up", "down", "from", "to", "by", "copy", *COPY_WORDS)
+NUMBERS = [str(number) for number in range(300)]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|> {% generation %}{{ message['content'] }} {{ eos_token }}"
+    "{% endgeneration %}{% elif message['role'] == 'user' %}<|user|> {{ message['content'] }} "
+    "{% else %}{{ raise_exception('unsupported role ' + message['role']) }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def task(rng: random.Random) -> tuple[str, list[str]]:
+    """One random task: its prompt and its answer words."""
+    kind = rng.randrange(4)
+    if kind == 0:
+        start = rng.randrange(0, 271)
+        stop = start + rng.randrange(5, 25)
+        return f"count up from {start} to {stop}", [str(n) for n in range(start, stop + 1)]
+    if kind == 1:
+        start = rng.randrange(30, 300)
+        stop = max(0, start - rng.randrange(5, 25))
+        return f"count down from {start} to {stop}", [str(n) for n in range(start, stop - 1, -1)]
+    if kind == 2:
+        start, step, terms = rng.randrange(0, 101), rng.randrange(2, 7), rng.randrange(4, 15)
+        stop = start + step * terms
+        return f"count from {start} to {stop} by {step}", [str(n) for n in range(start, stop + 1, step)]
+    words = rng.sample(COPY_WORDS, rng.randrange(3, 9))
+    return f"copy {' '.join(words)}", words
+
+
+def conversation(rng: random.Random) -> dict:
+    """One OpenAI ``messages`` sample: a task and its exact answer."""
+    prompt, answer = task(rng)
+    return {
+        "messages": [
+            {"role": "user", "content": f"please {prompt}"},
+            {"role": "assistant", "content": " ".join(answer)},
+        ]
+    }
+
+
+def build_tokenizer():
+    """The word-level fast tokenizer of the tiny recipe; ids fit the tiny configs' vocabulary (512)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate((*SPECIAL_TOKENS, *WORDS, *NUMBERS))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        mask_token="<mask>",
+        additional_special_tokens=["<|user|>", "<|assistant|>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "WORDS", "build_tokenizer", "conversation", "task"]
