@@ -17,12 +17,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-# The framework CLI under torchrun: `automodel <yaml>` alone asks CUDA for a device count and
-# fails on CPU-only machines (nemo_automodel 0.7.0), so launch one local worker explicitly.
+# The framework CLI under torchrun (nemo_automodel_ext.launch): `automodel <yaml>` alone asks CUDA for a
+# device count and fails on CPU-only machines (nemo_automodel 0.7.0), so launch one local worker explicitly.
+# A refusal (bad key, bad data, non-finite loss) is printed as the last line: `error: ...`.
 DISTILL_YAML ?= recipes/deepseek_v41/dspark_tiny_cpu.yaml
 DISTILL_RUN ?= outputs/dspark_tiny_cpu
 distill: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 1 -m nemo_automodel.cli.app $(DISTILL_YAML) $(ARGS)
+	$(PY) -m nemo_automodel_ext.launch $(DISTILL_YAML) $(ARGS)
 	@$(MAKE) --no-print-directory eval
 
 # Exact greedy acceptance of the latest checkpoint beside the draft at initialisation; writes eval.json.

@@ -35,7 +35,7 @@ from nemo_automodel._transformers.auto_tokenizer import NeMoAutoTokenizer
 from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_dataloader
 from nemo_automodel.components.distributed.init_utils import initialize_distributed
 from nemo_automodel.components.loggers.log_utils import setup_logging
-from nemo_automodel.components.loggers.metric_logger import build_metric_logger
+from nemo_automodel.components.loggers.metric_logger import MetricsSample, build_metric_logger
 from nemo_automodel.components.models.common.utils import cast_model_to_dtype
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
@@ -43,7 +43,11 @@ from nemo_automodel.components.speculative.dspark.target_utils import (
     apply_target_chat_template,
 )
 from nemo_automodel.components.training.rng import StatefulRNG
-from nemo_automodel.recipes.llm._spec_train_utils import make_warmup_cosine_schedule, optim_steps_per_epoch
+from nemo_automodel.recipes.llm._spec_train_utils import (
+    apply_draft_activation_checkpointing,
+    make_warmup_cosine_schedule,
+    optim_steps_per_epoch,
+)
 from nemo_automodel.recipes.llm.train_dspark import (
     TrainDSparkRecipe,
     _build_dspark_optimizer,
@@ -51,7 +55,6 @@ from nemo_automodel.recipes.llm.train_dspark import (
     _resolve_warmup_steps,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.nn.parallel import DistributedDataParallel
 
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_alignment
@@ -60,8 +63,11 @@ from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
 from nemo_automodel_ext.recipes.builders import build_packed_draft, load_local_target, require_v41_checkpoint
 from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
+from nemo_automodel_ext.recipes.data_checks import check_recipe_data, require_a_batch_per_rank
+from nemo_automodel_ext.recipes.parallel import parallelize_draft
 from nemo_automodel_ext.recipes.plots import plot_training_curves
-from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, quiet_upstream_step_lines
+from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
+from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
 
@@ -72,7 +78,11 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
     """Packed (and context-parallel) DSpark training with a DeepSeek V4.1 target and draft."""
 
     def setup(self) -> None:
-        """Build meshes, target, wrapper, data, draft, optimizer and checkpointer."""
+        """Build meshes, target, wrapper, data, draft, optimizer and checkpointer (refusals: ``refusals.py``)."""
+        with report_refusal():
+            self._setup()
+
+    def _setup(self) -> None:
         dist_cfg = self.cfg.get("dist_env", {})
         self.dist_env = initialize_distributed(
             backend=dist_cfg.get("backend", "nccl"), timeout_minutes=dist_cfg.get("timeout_minutes", 30)
@@ -124,11 +134,15 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self.block_size = int(args["block_size"] or text.dspark_block_size)
         self.num_anchors = int(args["num_anchors"])
         self.mask_token_id = self._resolve_mask_token_id(self.cfg.recipe_args, text.vocab_size)
+        check_recipe_data(args, self.tokenizer, self.packed_sequence_size or int(args["seq_length"]), text.vocab_size)
         self.train_dataloader = self._build_dataloader(args, args["train_data_path"], args["train_split"], True)
         self.val_dataloader = (
             self._build_dataloader(args, args["val_data_path"], args["val_split"], False)
             if args["val_data_path"]
             else None
+        )
+        require_a_batch_per_rank(
+            args, len(self.train_dataloader.dataset), self.dp_mesh.size() if self.dp_mesh is not None else world_size
         )
 
         torch.manual_seed(int(args["shuffle_seed"]))  # identical draft initialisation on every rank
@@ -143,6 +157,10 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self.draft_model.initialize_embeddings_and_head(
             embed_tokens=embed_tokens, lm_head=lm_head, freeze=bool(args["freeze_embeddings"])
         )
+        # Upstream's setup wraps the draft's layers; the frozen target has no backward to save memory in.
+        apply_draft_activation_checkpointing(
+            self.draft_model, section_get(distributed, "activation_checkpointing", False) or False
+        )
         trainer_module = DSparkTrainerModule(
             self.draft_model,
             loss_decay_gamma=args["loss_decay_gamma"],
@@ -151,7 +169,9 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             confidence_head_alpha=float(args["confidence_head_alpha"]),
         ).to(self.device)
         self.parallel_strategy = str(section_get(distributed, "strategy", "ddp")).lower() if world_size > 1 else "ddp"
-        self.trainer_module = self._parallelize(trainer_module, world_size)
+        self.trainer_module = parallelize_draft(
+            trainer_module, self.parallel_strategy, world_size, self.device, self.dp_mesh, self.compute_dtype
+        )
         self._precompute_fp8_scales = False
 
         opt_cfg = self.cfg.optimizer
@@ -187,7 +207,10 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             self.checkpointer.tp_rank = self.cp_mesh.get_local_rank()
             self.cp_mesh = None
         self.load_checkpoint(self.cfg.get("checkpoint.restore_from", None))
-        self.train_dataloader = ResumedEpochLoader(self.train_dataloader, self._consumed_batches_in_epoch(batches))
+        self._trailing, self._micro_since_step = TrailingWindow(self.block_size, self.device), 0
+        self.train_dataloader = ResumedEpochLoader(
+            self.train_dataloader, self._consumed_batches_in_epoch(batches), on_epoch_start=self._trailing.reset
+        )
         # Upstream's loop logs on the main rank only; the other ranks keep no metric files open.
         self.metric_logger = (
             ProgressMetricLogger(
@@ -228,31 +251,6 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
                 self.packed_sequence_size,
                 self.output_dir,
             )
-
-    def _parallelize(self, trainer_module: DSparkTrainerModule, world_size: int) -> torch.nn.Module:
-        """Replicate (DDP) or shard (FSDP2, per draft layer) the trainable draft over the dp ranks."""
-        if world_size == 1:
-            return trainer_module
-        if self.parallel_strategy == "ddp":
-            return DistributedDataParallel(
-                trainer_module,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
-                process_group=self.dp_mesh.get_group() if self.dp_mesh is not None else None,
-            )
-        from nemo_automodel.components.distributed.parallelizer_utils import fully_shard_by_dtype
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        mesh = self.dp_mesh or init_device_mesh(self.device.type, (world_size,), mesh_dim_names=("dp",))
-        policy = MixedPrecisionPolicy(
-            param_dtype=self.compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
-        fp32_names = tuple(getattr(trainer_module.draft_model, "_keep_in_fp32_modules_strict", ()))
-        for layer in trainer_module.draft_model.layers:
-            fully_shard_by_dtype(
-                layer, mesh=mesh, mp_policy=policy, offload_policy=None, fp32_compute_module_names=fp32_names
-            )
-        return fully_shard(trainer_module, mesh=mesh, mp_policy=policy)
 
     def _prepare_tiny_assets(self, directory: str) -> None:
         from nemo_automodel_ext.recipes.tiny_assets import ensure_tiny_assets
@@ -323,9 +321,21 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         """Upstream's step checkpoint, then the greedy acceptance evaluation when it is due."""
         saved = super()._maybe_save_step_checkpoint(epoch)
         self._epoch = epoch
+        flushed, self._micro_since_step = self._micro_since_step < self.grad_accumulation_steps, 0
+        if self.runtime.global_step % self.log_every_steps == 0:
+            if flushed:  # upstream logs full accumulation windows only
+                self._log_flushed_step(epoch)
+            self._trailing.reset()
         if self.acceptance.due(self.runtime.global_step):
             self._log_eval(self.acceptance.run(self.runtime.global_step))
         return saved
+
+    def _log_flushed_step(self, epoch: int) -> None:
+        """Log the step that flushed an epoch's partial accumulation window (every rank: one all-reduce)."""
+        metrics = self._trailing.averages(self._dp_allreduce)
+        if self.dist_env.is_main:
+            metrics.update(lr=self.lr_scheduler.get_last_lr()[0], mem=0.0)
+            self.metric_logger.log(MetricsSample(step=self.runtime.global_step, epoch=epoch, metrics=metrics))
 
     def _run_eval(self):
         """Upstream's teacher-forced validation (not counted as training tokens) plus greedy acceptance."""
@@ -349,9 +359,11 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
 
     def run_train_validation_loop(self):
         """Upstream's loop, after a step-0 acceptance baseline; rank 0 then draws ``training_curves.png``."""
-        if self.runtime.global_step == 0 and self.acceptance.every_steps:
-            self._log_eval(self.acceptance.run(0))  # the draft at initialisation
-        super().run_train_validation_loop()
+        with report_refusal():
+            # The draft at initialisation; an FSDP2 root must run its first forward before its layers do.
+            if self.runtime.global_step == 0 and self.acceptance.every_steps and self.parallel_strategy != "fsdp2":
+                self._log_eval(self.acceptance.run(0))
+            super().run_train_validation_loop()
         if self.dist_env.is_main and (self.output_dir / "metrics.jsonl").exists():
             logger.info("training curves: %s", plot_training_curves(self.output_dir / "metrics.jsonl"))
 
@@ -365,11 +377,23 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         ids = batch["input_ids"].to(torch.long)
         weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.long)
         checksum = int(((ids.cpu() * weights).sum(1) % 1_000_003).sum())
-        stats = torch.tensor([int(batch["attention_mask"].sum()), checksum], dtype=torch.long)
-        tokens, checksum = self._dp_allreduce(stats).tolist()
+        metrics = super()._forward_batch(batch)
+        # One all-reduce (and host read) carries the counters and whether any rank's loss is non-finite.
+        nonfinite = (~torch.isfinite(metrics.loss.detach())).to(torch.long).reshape(1).cpu()
+        stats = torch.cat([torch.tensor([int(batch["attention_mask"].sum()), checksum]), nonfinite])
+        tokens, checksum, bad_ranks = self._dp_allreduce(stats).tolist()
+        if bad_ranks:
+            raise FloatingPointError(
+                f"non-finite DSpark loss at optimizer step {self.runtime.global_step + 1} (epoch {self._epoch}) on "
+                f"{bad_ranks} data-parallel rank(s); stopped before its backward, so no checkpoint holds non-finite "
+                "weights. Check the data and the target's captured features, or lower optimizer.lr; resume with "
+                "checkpoint.restore_from: LATEST"
+            )
         self._tokens_seen += int(tokens)
         self._data_checksum = (self._data_checksum + int(checksum)) % 2**61
-        return super()._forward_batch(batch)
+        self._trailing.add(metrics)
+        self._micro_since_step += 1
+        return metrics
 
     def _save_extra_state(self, path: str, epoch: int) -> None:
         """Upstream's DSpark meta, plus the token and data-checksum counters (``progress_meta.pt``)."""

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger("nemo_automodel_ext.progress")
 
 
@@ -101,6 +103,44 @@ class ProgressMetricLogger:
         self._file.close()
 
 
+class TrailingWindow:
+    """Training metrics of the micro-batches since the last logged step, summed on the device.
+
+    Upstream's loop logs only steps that complete a full ``grad_accumulation_steps`` window; the
+    step that flushes an epoch's partial window is trained but never logged (and with fewer
+    batches than ``grad_accumulation_steps``, no step is). The recipe logs those steps from this
+    window. Sums stay tensors (no host read per micro-batch) in the layout of upstream's
+    ``_DSparkMetricWindow.pack()``, whose ``unpack`` turns them into the logged averages.
+    """
+
+    def __init__(self, block_size: int, device) -> None:
+        from nemo_automodel.recipes.llm.train_dspark import _DSPARK_WINDOW_SCALARS, _DSparkMetricWindow
+
+        self._names = _DSPARK_WINDOW_SCALARS
+        self._window = _DSparkMetricWindow(block_size=block_size, device=device)
+        self.sums = None
+
+    def reset(self) -> None:
+        self.sums = None
+
+    def add(self, metrics) -> None:
+        """Accumulate one micro-batch's ``DSparkStepMetrics``."""
+        one = metrics.loss.detach().new_ones(())
+        scalars = [one if name == "num_micro_batches" else getattr(metrics, name).detach() for name in self._names]
+        packed = torch.cat(
+            [
+                torch.stack([value.float().reshape(()) for value in scalars]),
+                metrics.accept_rate_per_pos_num.detach().float(),
+                metrics.accept_rate_per_pos_den.detach().float(),
+            ]
+        )
+        self.sums = packed if self.sums is None else self.sums + packed
+
+    def averages(self, all_reduce) -> dict[str, float]:
+        """The window's logged metrics, summed over ranks by ``all_reduce`` (a collective)."""
+        return self._window.unpack(all_reduce(self.sums.clone()))
+
+
 class _UpstreamStepLine(logging.Filter):
     """Drops upstream's per-step ``step N | epoch ...`` line; the plugin's line carries its fields."""
 
@@ -127,4 +167,4 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-__all__ = ["ProgressMetricLogger", "format_eta", "quiet_upstream_step_lines"]
+__all__ = ["ProgressMetricLogger", "TrailingWindow", "format_eta", "quiet_upstream_step_lines"]

@@ -18,11 +18,13 @@ class ResumedEpochLoader:
     Args:
         loader: The epoch's DataLoader (deterministic order per epoch: ``sampler.set_epoch``).
         skip: Micro-batches to skip in the first epoch iterated.
+        on_epoch_start: Optional callable run each time an epoch's iteration starts.
     """
 
-    def __init__(self, loader, skip: int) -> None:
+    def __init__(self, loader, skip: int, on_epoch_start=None) -> None:
         self.loader = loader
         self.skip = int(skip)
+        self.on_epoch_start = on_epoch_start
 
     @property
     def sampler(self):
@@ -36,6 +38,8 @@ class ResumedEpochLoader:
         return len(self.loader) - self.skip
 
     def __iter__(self):
+        if self.on_epoch_start is not None:
+            self.on_epoch_start()
         if not self.skip:
             return iter(self.loader)
         with torch.random.fork_rng(devices=[]):

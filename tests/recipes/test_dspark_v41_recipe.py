@@ -305,6 +305,12 @@ def test_cp2_recipe_run_matches_cp1_step_for_step(uninterrupted):
         assert (two["tokens"], two["data_checksum"]) == (one["tokens"], one["data_checksum"])
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-5), (one["step"], one["loss"], two["loss"])
     assert list((workdir / "cp2" / "checkpoints").glob("epoch_*_step_*/rng/rng_dp_rank_0.pt"))
+    # The greedy acceptance evaluation captures through the CP shard exactly as training does.
+    evals = [[r for r in read_records(workdir / run) if r.get("split") == "val"] for run in ("cp1", "cp2")]
+    assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] and evals[0]
+    for one, two in zip(*evals):
+        assert two["greedy_tau"] == pytest.approx(one["greedy_tau"], abs=0.02)
+        assert two["greedy_agreement"] == one["greedy_agreement"] == 1.0
 
 
 def test_fsdp2_draft_trains_and_resumes_exactly(uninterrupted):
@@ -315,6 +321,7 @@ def test_fsdp2_draft_trains_and_resumes_exactly(uninterrupted):
     common = (
         f"--recipe_args.train_data_path={small}",
         "--distributed.strategy=fsdp2",
+        "--recipe_args.micro_batch_size=4",
         "--checkpoint.save_consolidated=false",
         "--recipe_args.ckpt_every_steps=5",
     )
@@ -341,9 +348,118 @@ def test_wandb_section_is_honoured_offline(uninterrupted):
         f"--recipe_args.train_data_path={small}",
         "--wandb.mode=offline",
         "--wandb.project=nemo-automodel-ext-test",
-        f"--wandb.dir={workdir / 'wandb'}",
+        f"--wandb.dir={workdir / 'wandb_dir'}",
     )
-    summaries = list((workdir / "wandb").rglob("wandb-summary.json"))
-    assert len(summaries) == 1, summaries
-    summary = json.loads(summaries[0].read_text())
-    assert {"train/loss", "val/greedy_tau", "val/loss"} <= set(summary), sorted(summary)
+    runs = list((workdir / "wandb_dir").rglob("offline-run-*/*.wandb"))
+    assert len(runs) == 1, runs
+    records = runs[0].read_bytes()  # the offline run's protobuf log: history keys are stored as text
+    assert all(key.encode() in records for key in ("train/loss", "val/greedy_tau", "val/loss"))
+
+
+def _launch(workdir: Path, run: str, *overrides: str, nproc: int = 1, env: dict | None = None):
+    """``python -m nemo_automodel_ext.launch`` (``make distill``'s launcher) on the tiny recipe."""
+    assets = workdir / "assets"
+    command = [
+        sys.executable,
+        "-m",
+        "nemo_automodel_ext.launch",
+        "--nproc-per-node",
+        str(nproc),
+        str(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"),
+        f"--recipe_args.tiny_assets_dir={assets}",
+        f"--recipe_args.target_model_name_or_path={assets / 'target'}",
+        f"--recipe_args.val_data_path={assets / 'val.jsonl'}",
+        f"--recipe_args.output_dir={workdir / run}",
+        f"--checkpoint.checkpoint_dir={workdir / run / 'checkpoints'}",
+        *overrides,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=workdir, env={**os.environ, **(env or {})}
+    )
+
+
+@pytest.mark.parametrize(
+    "case,nproc,fragment",
+    [
+        ("malformed", 1, "bad.jsonl:3: malformed JSON"),
+        ("no_assistant", 1, "bad.jsonl:2: no assistant turn"),
+        ("too_small", 2, "gives 1 training rows, fewer than the 2 data-parallel ranks"),
+    ],
+)
+def test_bad_data_is_refused_in_one_last_line_before_any_output(uninterrupted, case, nproc, fragment):
+    """The refusal names file, line and rule as the run's very last line; nothing is written to output_dir."""
+    workdir, _, _ = uninterrupted
+    good = (workdir / "assets" / "train.jsonl").read_text().splitlines()
+    lines = {
+        "malformed": [*good[:2], '{"messages": [{"role": "user"', *good[2:10]],
+        "no_assistant": [good[0], json.dumps({"messages": [{"role": "user", "content": "please copy alpha"}]})],
+        "too_small": good[:1],
+    }[case]
+    bad = workdir / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    result = _launch(workdir, f"bad_{case}", f"--recipe_args.train_data_path={bad}", nproc=nproc)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and fragment in last, result.stderr[-3000:]
+    assert not (workdir / f"bad_{case}").exists()
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(uninterrupted):
+    """NaN in the captured features at step 4: the run stops there; the last checkpoint (step 2) is finite."""
+    workdir, _, _ = uninterrupted
+    small = workdir / "small_nan.jsonl"
+    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:200]) + "\n")
+    assets = workdir / "assets"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(Path(__file__).with_name("inject_nan.py")),
+        str(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"),
+        f"--recipe_args.tiny_assets_dir={assets}",
+        f"--recipe_args.target_model_name_or_path={assets / 'target'}",
+        f"--recipe_args.train_data_path={small}",
+        "--recipe_args.val_data_path=none",
+        "--recipe_args.eval_every_steps=none",
+        "--recipe_args.ckpt_every_steps=2",
+        "--recipe_args.log_every_steps=1",
+        f"--recipe_args.output_dir={workdir / 'nan'}",
+        f"--checkpoint.checkpoint_dir={workdir / 'nan' / 'checkpoints'}",
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, cwd=workdir, env={**os.environ, "NAN_AT_CAPTURE": "4"}
+    )
+    assert result.returncode != 0
+    assert "error: non-finite DSpark loss at optimizer step 4 (epoch 0)" in result.stdout + result.stderr
+    checkpoints = sorted(path.name for path in (workdir / "nan" / "checkpoints").glob("epoch_*_step_*"))
+    assert checkpoints == ["epoch_0_step_2"]
+    from safetensors.torch import load_file
+
+    shards = list((workdir / "nan" / "checkpoints" / "epoch_0_step_2" / "model").glob("*.safetensors"))
+    assert shards and all(torch.isfinite(t).all() for shard in shards for t in load_file(shard).values())
+    assert [record["step"] for record in read_metrics(workdir / "nan")] == [1, 2, 3]
+
+
+def test_every_step_is_logged_when_epochs_end_mid_accumulation(uninterrupted):
+    """grad_accumulation_steps that do not divide the epoch: the step flushing the partial window is logged too."""
+    workdir, _, _ = uninterrupted
+    small = workdir / "small_accumulate.jsonl"
+    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:100]) + "\n")
+    run_tiny_recipe(
+        workdir,
+        "accumulate",
+        f"--recipe_args.train_data_path={small}",
+        "--recipe_args.micro_batch_size=2",
+        "--recipe_args.grad_accumulation_steps=4",
+        "--recipe_args.num_epochs=2",
+        "--recipe_args.val_data_path=none",
+        "--recipe_args.eval_every_steps=none",
+    )
+    records = read_metrics(workdir / "accumulate")
+    steps = [record["step"] for record in records]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
+    assert all({"loss", "ce_loss", "tau", "tokens"} <= set(record) for record in records)
+    assert records[-1]["epoch"] == 1

@@ -39,3 +39,22 @@ def test_resume_drops_records_past_the_checkpoint(tmp_path):
 def test_format_eta():
     assert format_eta(3725) == "1:02:05"
     assert format_eta(float("nan")) == "?"
+
+
+def test_resume_survives_a_partial_last_line(tmp_path):
+    """A kill mid-write leaves half a record: the resume drops it instead of dying on JSONDecodeError."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in range(1, 5)) + '{"step": 5, "lo')
+    logger = ProgressMetricLogger(path, 10, lambda: {"tokens": 0}, start_step=4)
+    logger.log(_sample(5, 0.25))
+    logger.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_validation_records_are_marked(tmp_path):
+    logger = ProgressMetricLogger(tmp_path / "metrics.jsonl", 10, lambda: {"tokens": 0})
+    logger.log(_sample(1, 0.5))
+    logger.log_eval(1, 0, {"greedy_tau": 2.5, "note": "x"})
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[1] == {"step": 1, "epoch": 0, "split": "val", "greedy_tau": 2.5}

@@ -89,8 +89,10 @@ def gather_columns(
     index = index.to(values.device, non_blocking=True)
     valid = (index >= 0).view(batch, columns, *([1] * len(trailing)))
     if values.shape[1] == 0 or batch == 0:
-        # Nothing to gather from: every slot is padding.
-        return values.new_full((batch, columns, *trailing), fill)
+        # Nothing to gather from: every slot is padding. The result still hangs off ``values``
+        # in autograd (zero gradient), as upstream's gather does, so callers' graphs stay whole.
+        padding = values.new_full((batch, columns, *trailing), fill)
+        return padding + values.reshape(-1)[:0].sum() if values.requires_grad else padding
     if batch == 1 or values.stride(0) == values.stride(1) * values.shape[1]:
         # Rows merge into one axis without a copy: index_select is the cheapest gather and
         # its backward is a single index_add.

@@ -333,3 +333,39 @@ def test_block_logits_plus_markov_is_the_training_logit(draft):
     base = draft.block_logits(input_ids, features, anchors, **packed)
     previous = torch.cat((input_ids.gather(1, anchors).unsqueeze(-1), output.target_ids[..., :-1]), dim=-1)
     torch.testing.assert_close(base + draft.markov_logits(previous), output.draft_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_activation_checkpointing_wraps_the_layers_and_keeps_loss_keys_and_grads():
+    """``distributed.activation_checkpointing`` (upstream's draft wrap, as the recipe applies it) changes nothing."""
+    from nemo_automodel.recipes.llm._spec_train_utils import apply_draft_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    torch.manual_seed(0)
+    plain = DeepseekV41PackedDSparkModel.from_options(_options())
+    wrapped = DeepseekV41PackedDSparkModel.from_options(_options())
+    wrapped.load_state_dict(plain.state_dict())
+    apply_draft_activation_checkpointing(wrapped, True)
+    assert all(
+        isinstance(layer.attn, CheckpointWrapper) and isinstance(layer.ffn, CheckpointWrapper)
+        for layer in wrapped.layers
+    )
+    assert list(wrapped.state_dict()) == list(plain.state_dict())  # released checkpoint keys
+    positions, remaining, _ = _packing(SEQ_LENS)
+    ids, hidden, mask, last = _inputs()
+    losses = []
+    for model in (plain, wrapped):
+        torch.manual_seed(1)
+        output = model(
+            ids,
+            hidden,
+            mask,
+            target_last_hidden_states=last,
+            position_ids=positions,
+            seq_lens=SEQ_LENS,
+            doc_remaining=remaining,
+        )
+        loss = _loss(output)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1])
+    _assert_same_grads(wrapped, plain)

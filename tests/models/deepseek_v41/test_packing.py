@@ -238,6 +238,18 @@ def test_empty_and_all_absent_rows():
     assert empty.pack(torch.ones(0, 0, 7)).shape == (0, 2, 7)
 
 
+def test_empty_batches_keep_the_autograd_graph():
+    """A pack of 0 rows stays connected to its input (zero gradient), as upstream's does."""
+    seq_lens = torch.zeros(0, 3, dtype=torch.long)
+    values = torch.ones(0, 0, 7, requires_grad=True)
+    reference = upstream_layout(seq_lens, None, (0, 0), 2).pack(values)
+    packed = packed_layout(seq_lens, None, (0, 0), 2).pack(values, fill=3)
+    assert reference.grad_fn is not None and packed.grad_fn is not None
+    assert packed.shape == reference.shape == (0, 2, 7)
+    packed.sum().backward()
+    assert values.grad is not None and values.grad.shape == values.shape
+
+
 class _OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -1,0 +1,104 @@
+"""Kill the tiny recipe with SIGKILL at 13 precise moments; each resume from LATEST must lose nothing.
+
+After every kill, ``checkpoint.restore_from: LATEST`` must resume from the last complete checkpoint
+(never a partial one), and the run's ``metrics.jsonl`` must end up with exactly one record per
+step whose token count, data checksum and loss equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+YAML = REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"
+# (kill point, occurrence): checkpoints every 2 steps; occurrence 2 is the step-4 checkpoint's write.
+KILLS = [
+    ("mid_step_forward", 5),
+    ("after_optimizer_step", 4),
+    ("model_shard_write", 3),
+    ("consolidated_export", 2),
+    ("optimizer_write", 2),
+    ("after_optimizer_write", 2),
+    ("rng_write", 2),
+    ("progress_meta_torn", 2),
+    ("config_write", 2),
+    ("before_publish", 2),
+    ("after_latest_moves", 2),
+    ("metrics_line_torn", 5),
+    ("mid_eval", 2),
+]
+
+
+def _run(workdir: Path, run: str, *extra: str, kill: tuple[str, int] | None = None):
+    assets = workdir / "assets"
+    script = [str(Path(__file__).with_name("inject_kill.py"))] if kill else ["-m", "nemo_automodel.cli.app"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        *script,
+        str(YAML),
+        f"--recipe_args.tiny_assets_dir={assets}",
+        f"--recipe_args.target_model_name_or_path={assets / 'target'}",
+        f"--recipe_args.train_data_path={workdir / 'train.jsonl'}",
+        f"--recipe_args.val_data_path={workdir / 'val.jsonl'}",
+        "--recipe_args.num_epochs=1",
+        "--recipe_args.micro_batch_size=2",
+        "--recipe_args.ckpt_every_steps=2",
+        "--recipe_args.log_every_steps=1",
+        "--recipe_args.eval_every_steps=3",
+        f"--recipe_args.output_dir={workdir / run}",
+        f"--checkpoint.checkpoint_dir={workdir / run / 'checkpoints'}",
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if kill:
+        env.update(KILL_POINT=kill[0], KILL_AT=str(kill[1]))
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=workdir, env=env)
+
+
+def _train_records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if "split" not in record]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (assets generated once, shared with the killed runs)."""
+    from nemo_automodel_ext.recipes.tiny_assets import ensure_tiny_assets
+
+    workdir = tmp_path_factory.mktemp("faults")
+    assets = ensure_tiny_assets(workdir / "assets", train_samples=200)
+    (workdir / "train.jsonl").write_text("".join((assets / "train.jsonl").read_text().splitlines(True)[:48]))
+    (workdir / "val.jsonl").write_text("".join((assets / "val.jsonl").read_text().splitlines(True)[:8]))
+    result = _run(workdir, "reference")
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = _train_records(workdir / "reference")
+    assert [record["step"] for record in records] == list(range(1, len(records) + 1)) and len(records) >= 6
+    return workdir, records
+
+
+@pytest.mark.parametrize("point,occurrence", KILLS, ids=[point for point, _ in KILLS])
+def test_a_kill_anywhere_resumes_with_nothing_lost(reference, point, occurrence):
+    workdir, expected = reference
+    run = f"killed_{point}"
+    killed = _run(workdir, run, kill=(point, occurrence))
+    assert killed.returncode != 0, f"{point}: the kill did not happen"
+    resumed = _run(workdir, run, "--checkpoint.restore_from=LATEST")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    records = _train_records(workdir / run)
+    assert [record["step"] for record in records] == [record["step"] for record in expected], point
+    for got, want in zip(records, expected, strict=True):
+        assert (got["tokens"], got["data_checksum"]) == (want["tokens"], want["data_checksum"]), (point, got["step"])
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (point, got["step"])
+    evals = [json.loads(line) for line in (workdir / run / "metrics.jsonl").read_text().splitlines()]
+    assert all(line.get("split") in (None, "val") for line in evals)
