@@ -36,6 +36,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/packing.py
 	$(PY) benchmarks/dspark_target.py
+	$(PY) benchmarks/draft_scaling.py
 
 clean:
 	rm -rf $(VENV) outputs

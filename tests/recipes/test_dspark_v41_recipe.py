@@ -463,3 +463,17 @@ def test_every_step_is_logged_when_epochs_end_mid_accumulation(uninterrupted):
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 4
     assert all({"loss", "ce_loss", "tau", "tokens"} <= set(record) for record in records)
     assert records[-1]["epoch"] == 1
+    # The same run with validation every 2 steps and at epoch ends: validation batches are not counted.
+    run_tiny_recipe(
+        workdir,
+        "accumulate_val",
+        f"--recipe_args.train_data_path={small}",
+        "--recipe_args.micro_batch_size=2",
+        "--recipe_args.grad_accumulation_steps=4",
+        "--recipe_args.num_epochs=2",
+        "--recipe_args.eval_every_steps=2",
+    )
+    with_val = read_metrics(workdir / "accumulate_val")
+    assert [(r["step"], r["tokens"], r["data_checksum"]) for r in with_val] == [
+        (r["step"], r["tokens"], r["data_checksum"]) for r in records
+    ]

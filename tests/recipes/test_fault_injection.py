@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
 
 REPO = Path(__file__).resolve().parents[2]
 YAML = REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"
@@ -78,7 +79,7 @@ def reference(tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("faults")
     assets = ensure_tiny_assets(workdir / "assets", train_samples=200)
-    (workdir / "train.jsonl").write_text("".join((assets / "train.jsonl").read_text().splitlines(True)[:48]))
+    (workdir / "train.jsonl").write_text("".join((assets / "train.jsonl").read_text().splitlines(True)[:64]))
     (workdir / "val.jsonl").write_text("".join((assets / "val.jsonl").read_text().splitlines(True)[:8]))
     result = _run(workdir, "reference")
     assert result.returncode == 0, result.stderr[-4000:]
@@ -92,9 +93,20 @@ def test_a_kill_anywhere_resumes_with_nothing_lost(reference, point, occurrence)
     workdir, expected = reference
     run = f"killed_{point}"
     killed = _run(workdir, run, kill=(point, occurrence))
-    assert killed.returncode != 0, f"{point}: the kill did not happen"
+    assert "(SIGKILL)" in killed.stderr, f"{point}: the kill did not happen\n{killed.stderr[-3000:]}"
+    complete = [
+        path
+        for path in (workdir / run / "checkpoints").glob("epoch_*_step_*")
+        if not is_checkpoint_incomplete(path) and (path / "progress_meta.pt").exists()
+    ]
     resumed = _run(workdir, run, "--checkpoint.restore_from=LATEST")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    log = resumed.stdout + resumed.stderr
+    if complete:  # the last complete checkpoint, never a partial one
+        latest = max(complete, key=lambda path: int(path.name.rsplit("_", 1)[1]))
+        assert f"Resuming from checkpoint: {latest}" in log, (point, [path.name for path in complete])
+    else:
+        assert "Resuming from checkpoint" not in log, point
     records = _train_records(workdir / run)
     assert [record["step"] for record in records] == [record["step"] for record in expected], point
     for got, want in zip(records, expected, strict=True):
