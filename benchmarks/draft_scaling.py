@@ -33,23 +33,9 @@ BLOCK_BUDGET = 24  # the tiny recipe's num_anchors
 
 
 def _draft_options(heads: int, anchors: int):
-    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41DSparkConfig
+    from nemo_automodel_ext.models.deepseek_v41.tiny import released_draft_options, tiny_target_config
 
-    from nemo_automodel_ext.models.deepseek_v41.tiny import tiny_target_config
-
-    text = tiny_target_config(num_attention_heads=heads).text_config
-    return DeepseekV41DSparkConfig(
-        text_config=text,
-        num_draft_layers=text.num_nextn_predict_layers,
-        target_layer_ids=tuple(text.dspark_target_layer_ids),
-        block_size=text.dspark_block_size,
-        num_anchors=anchors,
-        mask_token_id=text.dspark_noise_token_id,
-        markov_rank=text.dspark_markov_rank,
-        markov_head_type="vanilla",
-        confidence_head_alpha=1.0,
-        confidence_head_with_markov=True,
-    )
+    return released_draft_options(tiny_target_config(num_attention_heads=heads).text_config, anchors)
 
 
 def _rss_kib() -> int:

@@ -18,6 +18,28 @@ from pathlib import Path
 from nemo_automodel_ext.recipes.refusals import REFUSAL_FILE_ENV
 
 
+def torchrun_command(config: str, overrides: list[str], nproc_per_node: int | str = 1, entry: list[str] | None = None):
+    """The ``torchrun --standalone`` command line running ``config`` through ``entry`` (default: the framework CLI).
+
+    Args:
+        config: Recipe YAML.
+        overrides: ``--section.key=value`` overrides.
+        nproc_per_node: Local worker processes.
+        entry: What torchrun runs: ``["-m", module]`` or ``[script]``.
+    """
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc_per_node),
+        *(entry or ["-m", "nemo_automodel.cli.app"]),
+        str(config),
+        *overrides,
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nemo_automodel_ext.launch", description=__doc__)
     parser.add_argument("--nproc-per-node", default="1")
@@ -25,18 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     options, overrides = parser.parse_known_args(argv)
     with tempfile.TemporaryDirectory(prefix="dspark_refusal_") as directory:
         refusal = Path(directory) / "refusal.txt"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(options.nproc_per_node),
-            "-m",
-            "nemo_automodel.cli.app",
-            options.config,
-            *overrides,
-        ]
+        command = torchrun_command(options.config, overrides, options.nproc_per_node)
         code = subprocess.call(command, env={**os.environ, REFUSAL_FILE_ENV: str(refusal)})
         if code and refusal.exists():
             sys.stdout.flush()

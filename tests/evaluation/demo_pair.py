@@ -5,12 +5,12 @@ from __future__ import annotations
 import random
 
 import torch
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41DSparkConfig
 from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
 
 from nemo_automodel_ext.evaluation.sequences import EvalSequence, encode_conversation, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
+from nemo_automodel_ext.models.deepseek_v41.tiny import released_draft_options
 from nemo_automodel_ext.recipes.demo_target import load_demo_target
 from nemo_automodel_ext.recipes.tiny_tasks import build_tokenizer, conversation
 
@@ -25,18 +25,7 @@ def demo_sequences(count: int, seed: int) -> list[EvalSequence]:
 
 
 def draft_options(text, num_anchors=24):
-    return DeepseekV41DSparkConfig(
-        text_config=text,
-        num_draft_layers=text.num_nextn_predict_layers,
-        target_layer_ids=tuple(text.dspark_target_layer_ids),
-        block_size=text.dspark_block_size,
-        num_anchors=num_anchors,
-        mask_token_id=text.dspark_noise_token_id,
-        markov_rank=text.dspark_markov_rank,
-        markov_head_type="vanilla",
-        confidence_head_alpha=0.1,
-        confidence_head_with_markov=True,
-    )
+    return released_draft_options(text, num_anchors, confidence_head_alpha=0.1)
 
 
 def build_demo_pair():

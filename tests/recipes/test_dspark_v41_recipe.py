@@ -15,6 +15,7 @@ from nemo_automodel.components.config.loader import load_yaml_config
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
+from nemo_automodel_ext.launch import torchrun_command
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
 from nemo_automodel_ext.recipes.builders import build_packed_draft, require_v41_checkpoint
@@ -176,18 +177,7 @@ def test_recipe_subclasses_upstream():
 
 def cli_command(*overrides: str, nproc: int = 1) -> list[str]:
     """The framework CLI on the tiny recipe under torchrun (``make distill``'s launch), ``nproc`` gloo ranks."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "nemo_automodel.cli.app",
-        str(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"),
-        *overrides,
-    ]
+    return torchrun_command(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml", list(overrides), nproc)
 
 
 def run_tiny_recipe(workdir: Path, run: str, *overrides: str, nproc: int = 1, timeout: float = 600) -> str:
@@ -410,25 +400,21 @@ def test_non_finite_loss_stops_the_run_naming_the_step(uninterrupted):
     small = workdir / "small_nan.jsonl"
     small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:200]) + "\n")
     assets = workdir / "assets"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "1",
-        str(Path(__file__).with_name("inject_nan.py")),
-        str(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"),
-        f"--recipe_args.tiny_assets_dir={assets}",
-        f"--recipe_args.target_model_name_or_path={assets / 'target'}",
-        f"--recipe_args.train_data_path={small}",
-        "--recipe_args.val_data_path=none",
-        "--recipe_args.eval_every_steps=none",
-        "--recipe_args.ckpt_every_steps=2",
-        "--recipe_args.log_every_steps=1",
-        f"--recipe_args.output_dir={workdir / 'nan'}",
-        f"--checkpoint.checkpoint_dir={workdir / 'nan' / 'checkpoints'}",
-    ]
+    command = torchrun_command(
+        REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml",
+        [
+            f"--recipe_args.tiny_assets_dir={assets}",
+            f"--recipe_args.target_model_name_or_path={assets / 'target'}",
+            f"--recipe_args.train_data_path={small}",
+            "--recipe_args.val_data_path=none",
+            "--recipe_args.eval_every_steps=none",
+            "--recipe_args.ckpt_every_steps=2",
+            "--recipe_args.log_every_steps=1",
+            f"--recipe_args.output_dir={workdir / 'nan'}",
+            f"--checkpoint.checkpoint_dir={workdir / 'nan' / 'checkpoints'}",
+        ],
+        entry=[str(Path(__file__).with_name("inject_nan.py"))],
+    )
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, cwd=workdir, env={**os.environ, "NAN_AT_CAPTURE": "4"}
     )

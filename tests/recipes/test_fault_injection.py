@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
+
+from nemo_automodel_ext.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 YAML = REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"
@@ -38,29 +39,24 @@ KILLS = [
 
 def _run(workdir: Path, run: str, *extra: str, kill: tuple[str, int] | None = None):
     assets = workdir / "assets"
-    script = [str(Path(__file__).with_name("inject_kill.py"))] if kill else ["-m", "nemo_automodel.cli.app"]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "1",
-        *script,
-        str(YAML),
-        f"--recipe_args.tiny_assets_dir={assets}",
-        f"--recipe_args.target_model_name_or_path={assets / 'target'}",
-        f"--recipe_args.train_data_path={workdir / 'train.jsonl'}",
-        f"--recipe_args.val_data_path={workdir / 'val.jsonl'}",
-        "--recipe_args.num_epochs=1",
-        "--recipe_args.micro_batch_size=2",
-        "--recipe_args.ckpt_every_steps=2",
-        "--recipe_args.log_every_steps=1",
-        "--recipe_args.eval_every_steps=3",
-        f"--recipe_args.output_dir={workdir / run}",
-        f"--checkpoint.checkpoint_dir={workdir / run / 'checkpoints'}",
-        *extra,
-    ]
+    command = torchrun_command(
+        YAML,
+        [
+            f"--recipe_args.tiny_assets_dir={assets}",
+            f"--recipe_args.target_model_name_or_path={assets / 'target'}",
+            f"--recipe_args.train_data_path={workdir / 'train.jsonl'}",
+            f"--recipe_args.val_data_path={workdir / 'val.jsonl'}",
+            "--recipe_args.num_epochs=1",
+            "--recipe_args.micro_batch_size=2",
+            "--recipe_args.ckpt_every_steps=2",
+            "--recipe_args.log_every_steps=1",
+            "--recipe_args.eval_every_steps=3",
+            f"--recipe_args.output_dir={workdir / run}",
+            f"--checkpoint.checkpoint_dir={workdir / run / 'checkpoints'}",
+            *extra,
+        ],
+        entry=[str(Path(__file__).with_name("inject_kill.py"))] if kill else None,
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if kill:
         env.update(KILL_POINT=kill[0], KILL_AT=str(kill[1]))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 from nemo_automodel.components.models.common import BackendConfig
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41DSparkConfig
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 TINY_TARGET_CONFIG = "configs/tiny_target.json"
@@ -61,4 +61,26 @@ def build_tiny_target(
     return model.eval()
 
 
-__all__ = ["TINY_TARGET_CONFIG", "build_tiny_target", "cpu_backend", "tiny_target_config"]
+def released_draft_options(text, num_anchors: int, confidence_head_alpha: float = 1.0) -> DeepseekV41DSparkConfig:
+    """Upstream's draft options for a target's released DSpark contract (its ``text_config`` fields).
+
+    Args:
+        text: The target's ``DeepseekV41TextConfig`` (draft depth, block, feature layers, mask token, Markov rank).
+        num_anchors: Anchor blocks of an unpacked row.
+        confidence_head_alpha: Weight of the confidence head's loss.
+    """
+    return DeepseekV41DSparkConfig(
+        text_config=text,
+        num_draft_layers=text.num_nextn_predict_layers,
+        target_layer_ids=tuple(text.dspark_target_layer_ids),
+        block_size=text.dspark_block_size,
+        num_anchors=num_anchors,
+        mask_token_id=text.dspark_noise_token_id,
+        markov_rank=text.dspark_markov_rank,
+        markov_head_type="vanilla",
+        confidence_head_alpha=confidence_head_alpha,
+        confidence_head_with_markov=True,
+    )
+
+
+__all__ = ["TINY_TARGET_CONFIG", "build_tiny_target", "cpu_backend", "released_draft_options", "tiny_target_config"]

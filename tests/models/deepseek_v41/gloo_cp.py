@@ -10,13 +10,12 @@ import os
 
 import torch
 import torch.distributed as dist
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41DSparkConfig
 from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
-from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target
+from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, released_draft_options
 
 SEQ_LENS = torch.tensor([[5, 0, 11, 10, 0], [9, 3, 14, -1000, 0]])
 SEQUENCE = 26
@@ -24,18 +23,7 @@ SEQUENCE = 26
 
 def first_step_loss(model, batch, seq_lens, input_ids, loss_mask):
     text = model.config.text_config
-    options = DeepseekV41DSparkConfig(
-        text_config=text,
-        num_draft_layers=text.num_nextn_predict_layers,
-        target_layer_ids=tuple(text.dspark_target_layer_ids),
-        block_size=text.dspark_block_size,
-        num_anchors=8,
-        mask_token_id=text.dspark_noise_token_id,
-        markov_rank=text.dspark_markov_rank,
-        markov_head_type="vanilla",
-        confidence_head_alpha=1.0,
-        confidence_head_with_markov=True,
-    )
+    options = released_draft_options(text, num_anchors=8)
     torch.manual_seed(1234)
     draft = DeepseekV41PackedDSparkModel.from_options(options)
     draft.initialize_embeddings_and_head(embed_tokens=model.model.embed_tokens, lm_head=model.lm_head)

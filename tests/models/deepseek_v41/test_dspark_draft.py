@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from nemo_automodel.components.models.deepseek_v41 import dspark as upstream_dspark
-from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41DSparkConfig
 from nemo_automodel.components.models.deepseek_v41.dspark import DeepseekV41DSparkModel
 from nemo_automodel.components.speculative.dspark.common import build_eval_mask, create_position_ids
 from nemo_automodel.components.speculative.dspark.loss import compute_dspark_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
-from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
+from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, released_draft_options, tiny_target_config
 
 SEQ_LENS = torch.tensor([[10, 14, 0], [6, 8, 10]])
 SEQUENCE = 24
@@ -21,19 +20,7 @@ WINDOW = tiny_target_config().text_config.sliding_window  # 8
 
 
 def _options(num_anchors=ANCHORS):
-    text = tiny_target_config().text_config
-    return DeepseekV41DSparkConfig(
-        text_config=text,
-        num_draft_layers=text.num_nextn_predict_layers,
-        target_layer_ids=tuple(text.dspark_target_layer_ids),
-        block_size=text.dspark_block_size,
-        num_anchors=num_anchors,
-        mask_token_id=text.dspark_noise_token_id,
-        markov_rank=text.dspark_markov_rank,
-        markov_head_type="vanilla",
-        confidence_head_alpha=1.0,
-        confidence_head_with_markov=True,
-    )
+    return released_draft_options(tiny_target_config().text_config, num_anchors)
 
 
 def _backend(attn):
