@@ -32,6 +32,27 @@ def require_v41_checkpoint(path: str, trust_remote_code: bool = False) -> None:
         )
 
 
+def check_target_contract(path: str, args: dict[str, Any]) -> None:
+    """Check the keys that index the target (its ``config.json`` only) before anything is built.
+
+    Raises:
+        ValueError: ``recipe_args.mask_token_id`` outside the target's vocabulary, or a
+            ``recipe_args.target_layer_ids`` entry the target does not have.
+    """
+    text = DeepseekV41Config.from_pretrained(path, vision_config={"num_hidden_layers": 0}).text_config
+    if not 0 <= int(args["mask_token_id"]) < text.vocab_size:
+        raise ValueError(
+            f"recipe_args.mask_token_id={args['mask_token_id']} is outside the target's vocabulary "
+            f"[0, {text.vocab_size}) ({path})"
+        )
+    layers = list(args["target_layer_ids"] or ())
+    if layers and layers[-1] >= text.num_hidden_layers:
+        raise ValueError(
+            f"recipe_args.target_layer_ids={layers} names layer {layers[-1]}, but the target has "
+            f"{text.num_hidden_layers} layers ({path})"
+        )
+
+
 def load_local_target(path: str | pathlib.Path, backend, device: torch.device, dtype: torch.dtype):
     """Build a V4.1 target from ``config.json`` + ``model.safetensors`` in ``path`` (no hub access).
 
@@ -106,4 +127,4 @@ def build_packed_draft(
     )
 
 
-__all__ = ["build_packed_draft", "load_local_target", "require_v41_checkpoint"]
+__all__ = ["build_packed_draft", "check_target_contract", "load_local_target", "require_v41_checkpoint"]

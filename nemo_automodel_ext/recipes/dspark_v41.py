@@ -61,7 +61,12 @@ from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_ali
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
-from nemo_automodel_ext.recipes.builders import build_packed_draft, load_local_target, require_v41_checkpoint
+from nemo_automodel_ext.recipes.builders import (
+    build_packed_draft,
+    check_target_contract,
+    load_local_target,
+    require_v41_checkpoint,
+)
 from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
 from nemo_automodel_ext.recipes.data_checks import check_recipe_data, require_a_batch_per_rank
 from nemo_automodel_ext.recipes.parallel import parallelize_draft
@@ -99,6 +104,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             self._prepare_tiny_assets(args["tiny_assets_dir"])
         target_path = str(args["target_model_name_or_path"])
         require_v41_checkpoint(target_path, bool(args["trust_remote_code"]))
+        check_target_contract(target_path, args)
 
         distributed = self.cfg.get("distributed", None)
         cp_size = int(section_get(distributed, "cp_size", 1) or 1)

@@ -18,7 +18,7 @@ from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCa
 from nemo_automodel_ext.launch import torchrun_command
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
-from nemo_automodel_ext.recipes.builders import build_packed_draft, require_v41_checkpoint
+from nemo_automodel_ext.recipes.builders import build_packed_draft, check_target_contract, require_v41_checkpoint
 from nemo_automodel_ext.recipes.config import validate_recipe_config
 from nemo_automodel_ext.recipes.dspark_v41 import TrainPackedDSparkV41Recipe
 
@@ -164,6 +164,21 @@ def test_non_v41_target_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
     with pytest.raises(ValueError, match="DeepSeek V4.1 checkpoint"):
         require_v41_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "key,value,fragment",
+    [
+        ("mask_token_id", 512, r"mask_token_id=512 is outside the target's vocabulary \[0, 512\)"),
+        ("target_layer_ids", [1, 3, 6], "names layer 6, but the target has 6 layers"),
+    ],
+)
+def test_keys_indexing_the_target_are_checked_from_its_config(tmp_path, key, value, fragment):
+    tiny_target_config().save_pretrained(tmp_path)
+    args = {"mask_token_id": 3, "target_layer_ids": None, key: value}
+    with pytest.raises(ValueError, match=fragment):
+        check_target_contract(str(tmp_path), args)
+    check_target_contract(str(tmp_path), {"mask_token_id": 3, "target_layer_ids": [1, 3, 5]})
 
 
 def test_recipe_subclasses_upstream():
