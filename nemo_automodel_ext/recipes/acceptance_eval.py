@@ -33,10 +33,10 @@ class AcceptanceEvaluator:
     Args:
         target: The recipe's ``DeepseekV41DSparkTargetModel`` (its CP mesh, if any, is used).
         draft: Zero-argument callable returning the bare draft module (unwrapped from DDP).
-        root: The module the draft is parallelised under; an FSDP2 root is unsharded around the
-            evaluation (the draft's own non-layer parameters live there).
         batches: The validation loader (packed batches), or None to disable evaluation.
         every_steps: Evaluate every this many optimizer steps; None: at epoch ends only.
+        root: The module the draft is parallelised under; an FSDP2 root is unsharded around the
+            evaluation (the draft's own non-layer parameters live there).
         process_group: Data-parallel group to all-reduce over, or None.
         is_main: Whether this rank logs.
     """
