@@ -84,14 +84,10 @@ class AcceptanceStats:
             self.per_sequence = {**(self.per_sequence or {}), **other.per_sequence}
         return self
 
-    def all_reduce(self, group, device: torch.device) -> AcceptanceStats:
-        """The sums over every rank of ``group`` (a collective: every rank calls it)."""
-        import torch.distributed as dist
-
+    def reduced(self, all_reduce) -> AcceptanceStats:
+        """The sums over ranks: ``all_reduce`` sums a 1-D integer tensor (a collective: every rank calls it)."""
         counts = [self.rounds, self.committed, self.sequences, self.offered_tokens, self.agreed_tokens]
-        packed = torch.tensor([*counts, *self.reached, *self.accepted], dtype=torch.long, device=device)
-        dist.all_reduce(packed, group=group)
-        values, block = packed.tolist(), self.block_size
+        values, block = all_reduce(torch.tensor([*counts, *self.reached, *self.accepted])).tolist(), self.block_size
         return AcceptanceStats(
             block,
             rounds=values[0],
@@ -215,18 +211,19 @@ def greedy_replay(
     return stats
 
 
-def evaluate_greedy(target, draft, batches, max_anchors: int = 2048, process_group=None) -> AcceptanceStats:
-    """``greedy_replay`` over every batch, summed (and all-reduced over ``process_group`` if given).
+def evaluate_greedy(target, draft, batches, max_anchors: int = 2048, all_reduce=None) -> AcceptanceStats:
+    """``greedy_replay`` over every batch, summed (and over ranks by ``all_reduce`` if given).
 
     Args:
         target: ``DeepseekV41DSparkTargetModel``.
         draft: ``DeepseekV41PackedDSparkModel`` (switched to eval mode for the call, then restored).
         batches: Packed batches in the recipe's format (``pack_sequences`` or a validation loader).
         max_anchors: Anchors per draft forward.
-        process_group: Data-parallel group whose ranks evaluated disjoint batches, or None.
+        all_reduce: Sums a 1-D tensor over the data-parallel ranks that evaluated disjoint batches
+            (the recipe's ``_dp_allreduce``), or None.
 
     Returns:
-        The summed AcceptanceStats (identical on every rank of ``process_group``).
+        The summed AcceptanceStats (identical on every rank ``all_reduce`` spans).
     """
     was_training = draft.training
     draft.eval()
@@ -236,9 +233,7 @@ def evaluate_greedy(target, draft, batches, max_anchors: int = 2048, process_gro
             total.merge(greedy_replay(target, draft, batch, max_anchors))
     finally:
         draft.train(was_training)
-    if process_group is not None:
-        total = total.all_reduce(process_group, next(draft.parameters()).device)
-    return total
+    return total.reduced(all_reduce) if all_reduce is not None else total
 
 
 def walk_rounds(

@@ -37,7 +37,7 @@ from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
-from nemo_automodel_ext.recipes.builders import build_packed_draft, load_local_target
+from nemo_automodel_ext.recipes.builders import build_packed_draft, check_target_contract, load_local_target
 from nemo_automodel_ext.recipes.config import validate_recipe_config
 
 
@@ -95,13 +95,10 @@ def load_run(checkpoint: Path, device: torch.device, target_path: str | None = N
         dispatcher=args["target_dispatcher"] if args["target_builder"] == "local" else "torch",
         experts=args["target_experts"],
     )
+    check_target_contract(path, args)  # mask token and feature layers inside this target
     model = load_local_target(path, backend, device, torch.float32)
     text = model.config.text_config
     layer_ids = list(args["target_layer_ids"] or text.dspark_target_layer_ids)
-    if not all(0 <= layer < text.num_hidden_layers for layer in layer_ids):
-        raise ValueError(
-            f"target_layer_ids {layer_ids} do not exist in the {text.num_hidden_layers}-layer target {path}"
-        )
     tokenizer = NeMoAutoTokenizer.from_pretrained(path)
     apply_target_chat_template(tokenizer, args["chat_template"])
     return EvalRun(
@@ -122,8 +119,6 @@ def build_draft(run: EvalRun, checkpoint: Path | None) -> DeepseekV41PackedDSpar
             feature layers, block size), naming the tensor or setting that differs.
     """
     text = run.target.model.config.text_config
-    if not 0 <= run.mask_token_id < text.vocab_size:
-        raise ValueError(f"mask_token_id={run.mask_token_id} is outside the target's vocabulary [0, {text.vocab_size})")
     torch.manual_seed(int(run.args["shuffle_seed"]))  # the recipe's initialisation
     architectures = list(run.target.model.config.architectures or ["DeepseekV41ForCausalLM"])
     draft = build_packed_draft(

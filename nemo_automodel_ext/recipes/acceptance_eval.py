@@ -37,7 +37,7 @@ class AcceptanceEvaluator:
         every_steps: Evaluate every this many optimizer steps; None: at epoch ends only.
         root: The module the draft is parallelised under; an FSDP2 root is unsharded around the
             evaluation (the draft's own non-layer parameters live there).
-        process_group: Data-parallel group to all-reduce over, or None.
+        all_reduce: Sums a 1-D tensor over the data-parallel ranks (the recipe's ``_dp_allreduce``), or None.
         is_main: Whether this rank logs.
     """
 
@@ -48,11 +48,11 @@ class AcceptanceEvaluator:
         batches: Iterable | None,
         every_steps: int | None,
         root: torch.nn.Module | None = None,
-        process_group=None,
+        all_reduce=None,
         is_main: bool = True,
     ) -> None:
         self.target, self.draft, self.batches, self.root = target, draft, batches, root
-        self.every_steps, self.process_group, self.is_main = every_steps, process_group, is_main
+        self.every_steps, self.all_reduce, self.is_main = every_steps, all_reduce, is_main
         self.last: tuple[int, dict[str, float]] | None = None
 
     def due(self, step: int) -> bool:
@@ -69,7 +69,7 @@ class AcceptanceEvaluator:
             self.root.unshard()
         try:
             with torch.no_grad():
-                stats = evaluate_greedy(self.target, self.draft(), self.batches, process_group=self.process_group)
+                stats = evaluate_greedy(self.target, self.draft(), self.batches, all_reduce=self.all_reduce)
         finally:
             if sharded:
                 self.root.reshard()

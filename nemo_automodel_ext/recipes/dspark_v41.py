@@ -243,9 +243,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             self.val_dataloader,
             args["eval_every_steps"],
             root=self.trainer_module,
-            process_group=self.dp_mesh.get_group()
-            if self.dp_mesh is not None
-            else (dist.group.WORLD if world_size > 1 else None),
+            all_reduce=self._dp_allreduce,
             is_main=self.dist_env.is_main,
         )
         if self.dist_env.is_main:
