@@ -166,7 +166,18 @@ def validate_recipe_config(
     strategy = str(section_get(distributed, "strategy", "ddp")).lower()
     if strategy not in ("ddp", "fsdp2"):
         raise ValueError(f"distributed.strategy must be ddp or fsdp2, got {strategy!r}")
+    require_target_reshard(section_get(distributed, "reshard_after_forward", None))
     return args
+
+
+def require_target_reshard(value: Any) -> None:
+    """Refuse ``distributed.reshard_after_forward: false``: the frozen target would never re-shard."""
+    if value is False:
+        raise ValueError(
+            "distributed.reshard_after_forward: false keeps the frozen DSpark target's gathered FSDP2 parameters "
+            "on every rank after its first forward (it never runs a backward to free them); remove the key or "
+            "set it to true"
+        )
 
 
 def _validate_numbers(args: dict[str, Any]) -> None:
@@ -198,4 +209,4 @@ def _validate_numbers(args: dict[str, Any]) -> None:
             raise ValueError(f"recipe_args.target_layer_ids must be strictly increasing layer ids >= 0, got {layers}")
 
 
-__all__ = ["RECIPE_ARGS", "TARGET_BUILDERS", "section_get", "validate_recipe_config"]
+__all__ = ["RECIPE_ARGS", "TARGET_BUILDERS", "require_target_reshard", "section_get", "validate_recipe_config"]

@@ -38,7 +38,6 @@ from nemo_automodel.components.loggers.log_utils import setup_logging
 from nemo_automodel.components.loggers.metric_logger import MetricsSample, build_metric_logger
 from nemo_automodel.components.models.common.utils import cast_model_to_dtype
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
 from nemo_automodel.components.speculative.dspark.target_utils import (
     apply_target_chat_template,
 )
@@ -56,6 +55,7 @@ from nemo_automodel.recipes.llm.train_dspark import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+from nemo_automodel_ext.models.deepseek_v41.cp_trainer import PackedDSparkTrainerModule
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_alignment
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
@@ -63,13 +63,15 @@ from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
 from nemo_automodel_ext.recipes.builders import (
     build_packed_draft,
+    check_layout_memory,
     check_target_contract,
+    frozen_target_setup,
     load_local_target,
     require_v41_checkpoint,
 )
 from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
 from nemo_automodel_ext.recipes.data_checks import check_recipe_data, require_a_batch_per_rank
-from nemo_automodel_ext.recipes.parallel import parallelize_draft
+from nemo_automodel_ext.recipes.parallel import draft_mesh, parallelize_draft
 from nemo_automodel_ext.recipes.plots import plot_training_curves
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
@@ -105,6 +107,9 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         target_path = str(args["target_model_name_or_path"])
         require_v41_checkpoint(target_path, bool(args["trust_remote_code"]))
         check_target_contract(target_path, args)
+        if args["target_builder"] == "automodel" and self.device.type == "cuda":
+            gpu_gib = torch.cuda.get_device_properties(self.device).total_memory / 2**30
+            check_layout_memory(self.cfg, args, target_path, world_size, gpu_gib)
 
         distributed = self.cfg.get("distributed", None)
         cp_size = int(section_get(distributed, "cp_size", 1) or 1)
@@ -167,7 +172,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         apply_draft_activation_checkpointing(
             self.draft_model, section_get(distributed, "activation_checkpointing", False) or False
         )
-        trainer_module = DSparkTrainerModule(
+        trainer_module = PackedDSparkTrainerModule(
             self.draft_model,
             loss_decay_gamma=args["loss_decay_gamma"],
             ce_loss_alpha=float(args["ce_loss_alpha"]),
@@ -175,14 +180,16 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             confidence_head_alpha=float(args["confidence_head_alpha"]),
         ).to(self.device)
         self.parallel_strategy = str(section_get(distributed, "strategy", "ddp")).lower() if world_size > 1 else "ddp"
+        # CP-native: every rank trains its shard's anchors, so the draft is one model over dp x cp.
+        self.draft_mesh = draft_mesh(self.device_mesh)
         self.trainer_module = parallelize_draft(
-            trainer_module, self.parallel_strategy, world_size, self.device, self.dp_mesh, self.compute_dtype
+            trainer_module, self.parallel_strategy, world_size, self.device, self.draft_mesh, self.compute_dtype
         )
         self._precompute_fp8_scales = False
 
         opt_cfg = self.cfg.optimizer
         self.peak_lr = float(opt_cfg.lr)
-        self.optimizer = _build_dspark_optimizer(self.trainer_module, opt_cfg, device_mesh=self.dp_mesh)
+        self.optimizer = _build_dspark_optimizer(self.trainer_module, opt_cfg, device_mesh=self.draft_mesh)
         self.grad_accumulation_steps = int(args["grad_accumulation_steps"])
         self.max_grad_norm = args["max_grad_norm"]
         self.num_epochs = int(args["num_epochs"])
@@ -271,7 +278,6 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             )
             return load_local_target(target_path, backend, self.device, self.compute_dtype)
         from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41DSparkTargetConfig
-        from nemo_automodel.recipes._dist_utils import create_distributed_setup_from_config
 
         options = DeepseekV41DSparkTargetConfig(
             target_path=target_path,
@@ -281,7 +287,7 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             experts=str(args["target_experts"]),
             enable_fsdp_optimizations=bool(args["target_enable_fsdp_optimizations"]),
         )
-        self.distributed_setup = create_distributed_setup_from_config(self.cfg, world_size=self.dist_env.world_size)
+        self.distributed_setup = frozen_target_setup(self.cfg, self.dist_env.world_size)
         model = options.build(
             device=self.device, compute_dtype=self.compute_dtype, distributed_setup=self.distributed_setup
         )
@@ -377,11 +383,11 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         Validation batches (``_run_eval``) are not counted.
         """
         if not self._counting_tokens:
-            return super()._forward_batch(batch)
+            return self._draft_step(batch)
         ids = batch["input_ids"].to(torch.long)
         weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.long)
         checksum = int(((ids.cpu() * weights).sum(1) % 1_000_003).sum())
-        metrics = super()._forward_batch(batch)
+        metrics = self._draft_step(batch)
         # One all-reduce (and host read) carries the counters and whether any rank's loss is non-finite.
         nonfinite = (~torch.isfinite(metrics.loss.detach())).to(torch.long).reshape(1).cpu()
         stats = torch.cat([torch.tensor([int(batch["attention_mask"].sum()), checksum]), nonfinite])
@@ -398,6 +404,36 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self._trailing.add(metrics)
         self._micro_since_step += 1
         return metrics
+
+    def _draft_step(self, batch):
+        """Upstream's capture and draft step; under CP the CP-native one (``cp_trainer.py``).
+
+        Each CP rank captures its shard, receives its halos from its neighbours and trains
+        the anchors of its shard; no rank gathers the pack's features.
+        """
+        if self.target_wrapper.cp_mesh is None:
+            return super()._forward_batch(batch)
+        batch = {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
+        config = self._module().draft_model.config
+        captured = self.target_wrapper.generate_shard_batch(
+            batch["input_ids"],
+            batch["loss_mask"],
+            batch.get("position_ids"),
+            batch.get("seq_lens"),
+            batch.get("doc_remaining"),
+            before=config.sliding_window,
+            after=config.dspark_block_size,
+        )
+        return self.trainer_module(
+            input_ids=captured.input_ids,
+            target_hidden_states=captured.target_hidden_states,
+            loss_mask=captured.loss_mask,
+            target_last_hidden_states=captured.target_last_hidden_states,
+            position_ids=captured.position_ids,
+            seq_lens=captured.seq_lens,
+            doc_remaining=captured.doc_remaining,
+            shard=captured.shard,
+        )
 
     def _save_extra_state(self, path: str, epoch: int) -> None:
         """Upstream's DSpark meta, plus the token and data-checksum counters (``progress_meta.pt``)."""

@@ -1,4 +1,9 @@
-"""Data parallelism of the packed V4.1 DSpark recipe's trainable draft."""
+"""Data parallelism of the packed V4.1 DSpark recipe's trainable draft.
+
+Under context parallelism the draft is CP-native (``models/deepseek_v41/cp_trainer.py``): every
+rank trains different anchors, so its gradients reduce over dp x cp (``draft_mesh``), and
+every rank holds one replica (DDP) or one shard (FSDP2) of a single draft.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,18 @@ def parallelize_draft(
     strategy: str,
     world_size: int,
     device: torch.device,
-    dp_mesh: DeviceMesh | None,
+    mesh: DeviceMesh | None,
     compute_dtype: torch.dtype,
 ) -> torch.nn.Module:
-    """Replicate (DDP) or shard (FSDP2, per draft layer) the trainable draft over the dp ranks.
+    """Replicate (DDP) or shard (FSDP2, per draft layer) the trainable draft over ``mesh``.
 
     Args:
         trainer_module: Upstream's ``DSparkTrainerModule`` around the draft.
         strategy: ``ddp`` or ``fsdp2`` (validated by ``config.validate_recipe_config``).
         world_size: Ranks of the run; one rank returns ``trainer_module`` unchanged.
         device: The rank's device.
-        dp_mesh: The data-parallel mesh under CP, or None (every rank is a dp rank).
+        mesh: One-dimensional mesh the gradients reduce over (``draft_mesh``), or None for
+            every rank.
         compute_dtype: FSDP2 parameter dtype (gradients reduce in fp32).
 
     Returns:
@@ -35,12 +41,12 @@ def parallelize_draft(
             trainer_module,
             device_ids=[device.index] if device.type == "cuda" else None,
             broadcast_buffers=False,
-            process_group=dp_mesh.get_group() if dp_mesh is not None else None,
+            process_group=mesh.get_group() if mesh is not None else None,
         )
     from nemo_automodel.components.distributed.parallelizer_utils import fully_shard_by_dtype
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = dp_mesh or init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    mesh = mesh or init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fp32_names = tuple(getattr(trainer_module.draft_model, "_keep_in_fp32_modules_strict", ()))
     for layer in trainer_module.draft_model.layers:
@@ -50,4 +56,15 @@ def parallelize_draft(
     return fully_shard(trainer_module, mesh=mesh, mp_policy=policy)
 
 
-__all__ = ["parallelize_draft"]
+def draft_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The mesh the draft's gradients reduce over: dp x cp flattened, or None (every rank is dp).
+
+    Args:
+        device_mesh: The recipe's two-dimensional ("dp", "cp") mesh under CP, else None.
+    """
+    if device_mesh is None:
+        return None
+    return device_mesh["dp", "cp"]._flatten("dp_cp")
+
+
+__all__ = ["draft_mesh", "parallelize_draft"]

@@ -27,8 +27,8 @@ RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 # Ranks and device each recipe is written for.
 LAUNCH = {
     "dspark_tiny_cpu.yaml": (1, "cpu"),
-    "dspark_flash_1node.yaml": (8, "cuda"),
-    "dspark_flash_4node_cp.yaml": (32, "cuda"),
+    "dspark_flash_h200_4node_cp.yaml": (32, "cuda"),
+    "dspark_flash_h100_8node_cp.yaml": (64, "cuda"),
 }
 
 
@@ -104,6 +104,7 @@ def _tiny_cfg():
         ("distributed.tp_size", 2, 2, "cpu", "tp_size must be 1"),
         ("distributed.strategy", "megatron", 2, "cpu", "strategy must be ddp or fsdp2"),
         ("distributed.cp_size", 0, 1, "cpu", "cp_size must be an integer >= 1"),
+        ("distributed.reshard_after_forward", False, 1, "cpu", "reshard_after_forward: false keeps the frozen"),
         ("distributed.cp_size", -2, 2, "cpu", "cp_size must be an integer >= 1"),
         ("recipe_args.grad_accumulation_steps", 0, 1, "cpu", "grad_accumulation_steps must be an integer >= 1"),
         ("recipe_args.grad_accumulation_steps", -1, 1, "cpu", "grad_accumulation_steps must be an integer >= 1"),
@@ -154,10 +155,10 @@ def test_cp_needs_packing():
 
 
 def test_hybridep_without_its_package_is_refused(monkeypatch):
-    cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_1node.yaml")
+    cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node_cp.yaml")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a, **k: None)
     with pytest.raises(ValueError, match="HybridEP package"):
-        validate_recipe_config(cfg, 8, "cuda")
+        validate_recipe_config(cfg, 32, "cuda")
 
 
 def test_non_v41_target_is_refused(tmp_path):

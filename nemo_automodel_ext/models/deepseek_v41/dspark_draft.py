@@ -12,7 +12,9 @@ keys and changes what is computed:
 - packed rows (``seq_lens``): windows stop at the anchor's document start, positions are the
   batch's document-local ``position_ids``, supervision stops at the document end, and anchors
   are sampled per document (``anchors.select_packed_anchors``) only where they supervise;
-- explicit anchors (``anchor_positions``): evaluation and context parallelism choose them.
+- explicit anchors (``anchor_positions``): evaluation chooses them;
+- one context-parallel shard (``forward_shard``): the CP=1 anchor draw restricted to the
+  rank's shard, on the shard's features and halos (``cp_draft``).
 
 Unpacked rows sample anchors with upstream's ``sample_anchor_positions`` (same RNG use), so
 the released dense path is the reference the windowed one is tested against.
@@ -33,6 +35,7 @@ from nemo_automodel.components.speculative.dspark.common import (
 )
 
 from nemo_automodel_ext.models.deepseek_v41.anchors import block_supervision, compact_anchors, select_packed_anchors
+from nemo_automodel_ext.models.deepseek_v41.cp_draft import DraftShard
 from nemo_automodel_ext.models.deepseek_v41.draft_attention import use_windowed_attention
 from nemo_automodel_ext.models.deepseek_v41.draft_windows import draft_windows
 from nemo_automodel_ext.models.deepseek_v41.packing import document_bounds, gather_columns
@@ -198,16 +201,79 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
                 block_keep_mask = torch.ones_like(anchor_positions, dtype=torch.bool)
             elif block_keep_mask.shape != anchor_positions.shape:
                 raise ValueError("block_keep_mask must have the shape of anchor_positions")
+        anchors = anchor_positions.long()
         return self._forward_anchors(
             input_ids,
             target_hidden_states,
             loss_mask,
             target_last_hidden_states,
-            anchor_positions.long(),
+            anchors,
             block_keep_mask.bool(),
             position_ids,
-            seq_lens,
+            _document_starts(seq_lens, anchors),
             doc_remaining,
+        )
+
+    def forward_shard(
+        self,
+        shard: DraftShard,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        doc_remaining: torch.Tensor,
+    ) -> DSparkForwardOutput:
+        """Train the anchors of one context-parallel rank's shard (``cp_draft``).
+
+        Anchors are drawn over the whole caller row exactly as ``forward`` draws them (same
+        RNG use), and this rank keeps those inside its shard; across the CP group the blocks
+        are the CP=1 blocks, each computed once.
+
+        Args:
+            shard: This rank's ``DraftShard``.
+            input_ids, loss_mask, position_ids, doc_remaining: The whole packed batch
+                [batch, sequence] in caller coordinates (token-sized; every CP rank holds it).
+            target_hidden_states: Local target features [batch, shard.stop - shard.start,
+                target_layers * hidden]: the shard and its feature halo (``shard.exchange``).
+            target_last_hidden_states: Optional local final target states [batch,
+                shard.stop - shard.start, hidden]: the shard and its teacher halo.
+            seq_lens: Document lengths [batch, documents].
+
+        Returns:
+            DSparkForwardOutput of this rank's anchors (shapes as ``forward``'s, with this rank's
+            anchor count). New tensors; inputs are not modified.
+
+        Raises:
+            ValueError: naming the argument whose shape does not match.
+        """
+        batch, row = input_ids.shape
+        local = (batch, shard.stop - shard.start)
+        for name, value in (("loss_mask", loss_mask), ("position_ids", position_ids), ("doc_remaining", doc_remaining)):
+            _require_shape(name, value, (batch, row), "CP DSpark draft input: ")
+        if tuple(shard.layout.input_positions.shape) != (batch, row):
+            raise ValueError(
+                f"CP DSpark draft: the shard's layout covers {tuple(shard.layout.input_positions.shape)}, "
+                f"the batch is [batch={batch}, sequence={row}]"
+            )
+        _require_shape("target_hidden_states", target_hidden_states, local, "CP DSpark draft (shard + halo): ")
+        if target_last_hidden_states is not None:
+            _require_shape("target_last_hidden_states", target_last_hidden_states, local, "CP DSpark draft: ")
+        selected = select_packed_anchors(
+            loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row
+        )
+        anchors, keep, document_starts = shard.own_anchors(selected, seq_lens)
+        return self._forward_anchors(
+            shard.local(input_ids),
+            target_hidden_states,
+            shard.local(loss_mask),
+            target_last_hidden_states,
+            anchors,
+            keep,
+            shard.local(position_ids),
+            document_starts,
+            shard.local(doc_remaining),
         )
 
     def _forward_anchors(
@@ -219,10 +285,13 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         anchors: torch.Tensor,
         keep: torch.Tensor,
         position_ids: torch.Tensor | None,
-        seq_lens: torch.Tensor | None,
+        document_starts: torch.Tensor,
         doc_remaining: torch.Tensor | None,
     ) -> DSparkForwardOutput:
-        """``forward`` once the anchors [batch, anchors] and keep mask are known (arguments as there)."""
+        """``forward`` once the anchors, keep mask and anchors' document starts [batch, anchors] are known.
+
+        Other arguments as in ``forward``, in the coordinates of the anchors' row.
+        """
         batch, row = input_ids.shape
         count = anchors.shape[1]
         block = self.config.dspark_block_size
@@ -231,7 +300,7 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         # Teacher forcing: each slot's Markov input is the token before it (the anchor, then labels).
         previous_token_ids = torch.cat((input_ids.gather(1, anchors).unsqueeze(-1), target_ids[..., :-1]), dim=-1)
         backbone_output = self._run_backbone(
-            input_ids, target_hidden_states, anchors, keep, position_ids, seq_lens, previous_token_ids
+            input_ids, target_hidden_states, anchors, keep, position_ids, document_starts, previous_token_ids
         )
         if backbone_output.transition_logits is None:
             raise RuntimeError("The final DSpark stage did not produce Markov logits")
@@ -266,14 +335,16 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         anchors: torch.Tensor,
         keep: torch.Tensor,
         position_ids: torch.Tensor | None,
-        seq_lens: torch.Tensor | None,
+        document_starts: torch.Tensor,
         previous_token_ids: torch.Tensor | None,
     ):
         """The released backbone over the anchors' blocks and the union of their windows.
 
         Args:
-            input_ids, target_hidden_states, position_ids, seq_lens: as in ``forward``.
+            input_ids, target_hidden_states, position_ids: as in ``forward``.
             anchors, keep: Anchor columns and keep mask [batch, anchors].
+            document_starts: First column of each anchor's document [batch, anchors] (windows
+                stop there).
             previous_token_ids: Markov inputs [batch, anchors, block], or None for states only.
 
         Returns:
@@ -282,7 +353,6 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         """
         batch, row = input_ids.shape
         block = self.config.dspark_block_size
-        document_starts = torch.zeros_like(anchors) if seq_lens is None else document_bounds(seq_lens, anchors).start
         windows = draft_windows(anchors, keep, document_starts, self.config.sliding_window, row)
         noise_embeddings = create_noise_embed(
             self.embed_tokens,
@@ -333,13 +403,20 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         """
         anchors = anchor_positions.long()
         keep = torch.ones_like(anchors, dtype=torch.bool) if block_keep_mask is None else block_keep_mask.bool()
-        output = self._run_backbone(input_ids, target_hidden_states, anchors, keep, position_ids, seq_lens, None)
+        output = self._run_backbone(
+            input_ids, target_hidden_states, anchors, keep, position_ids, _document_starts(seq_lens, anchors), None
+        )
         states = output.normalized_hidden_states.view(*anchors.shape, self.config.dspark_block_size, -1)
         return self.compute_logits(states)
 
     def markov_logits(self, previous_token_ids: torch.Tensor) -> torch.Tensor:
         """The Markov head's fp32 transition logits [..., vocab] for preceding tokens [...]."""
         return self.mtp[-1].markov_head(previous_token_ids)[0].float()
+
+
+def _document_starts(seq_lens: torch.Tensor | None, anchors: torch.Tensor) -> torch.Tensor:
+    """First column of each anchor's document [batch, anchors] (zeros for an unpacked row)."""
+    return torch.zeros_like(anchors) if seq_lens is None else document_bounds(seq_lens, anchors).start
 
 
 def _require_shape(name: str, value: object, leading: tuple[int, ...], prefix: str = "") -> None:

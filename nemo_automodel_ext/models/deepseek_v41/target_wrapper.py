@@ -10,6 +10,7 @@ pre-hooks and the final norm) and stream reduction, and runs packed batches thro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -17,7 +18,21 @@ from nemo_automodel.components.speculative.dspark.target import DSparkTargetBatc
 from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_automodel_ext.models.deepseek_v41.cp import dspark_packed_forward_cp
+from nemo_automodel_ext.models.deepseek_v41.cp_draft import DraftShard, draft_shard
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import dspark_packed_forward, require_v41_target
+
+
+@dataclass
+class DSparkShardBatch(DSparkTargetBatch):
+    """One CP rank's capture for CP-native draft training (``cp_draft``).
+
+    ``target_hidden_states`` [batch, shard.stop - shard.start, len(target_layer_ids) * hidden]
+    holds the rank's shard and its feature halo, ``target_last_hidden_states`` [batch,
+    shard.stop - shard.start, hidden] the shard and its teacher halo (zeros in the other halo);
+    the token tensors are the caller's whole batch [batch, sequence].
+    """
+
+    shard: DraftShard | None = None
 
 
 class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
@@ -128,9 +143,8 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
             return lambda values: values
 
         captured, restore = self._capture(run)
-        features = torch.cat([captured[layer_id] for layer_id in self.target_layer_ids], dim=-1)
         return DSparkTargetBatch(
-            target_hidden_states=restore(features),
+            target_hidden_states=restore(self._features(captured)),
             target_last_hidden_states=restore(captured["norm"]),
             input_ids=input_ids,
             loss_mask=loss_mask,
@@ -139,5 +153,62 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
             doc_remaining=doc_remaining,
         )
 
+    @torch.no_grad()
+    def generate_shard_batch(
+        self,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        doc_remaining: torch.Tensor,
+        *,
+        before: int,
+        after: int,
+    ) -> DSparkShardBatch:
+        """Capture this CP rank's shard and fetch its draft halos from its peers (no all-gather).
 
-__all__ = ["DeepseekV41DSparkTargetModel"]
+        Every CP rank passes the same whole packed batch and must call it in the same order.
+
+        Args:
+            input_ids: Token IDs [batch, sequence].
+            loss_mask, position_ids, doc_remaining: Packing tensors [batch, sequence], passed through.
+            seq_lens: Document lengths [batch, documents]; each row sums to sequence.
+            before: Feature halo columns (the draft's ``sliding_window``).
+            after: Teacher halo columns (the draft's block size).
+
+        Returns:
+            DSparkShardBatch: local captures [batch, aligned_sequence / cp + halos, ...], the
+            caller's tensors unmodified, and the rank's ``DraftShard``.
+        """
+        if self.cp_mesh is None:
+            raise ValueError("generate_shard_batch needs a context-parallel mesh of more than one rank (cp_mesh)")
+        if seq_lens is None or position_ids is None or doc_remaining is None:
+            raise ValueError(
+                "CP-native DSpark training needs packed batches (seq_lens, position_ids, doc_remaining); "
+                "set recipe_args.packed_sequence_size > 0 or distributed.cp_size=1"
+            )
+        layouts = []
+
+        def run() -> Callable[[torch.Tensor], torch.Tensor]:
+            layouts.append(dspark_packed_forward_cp(self.model, input_ids, seq_lens, self.cp_mesh)[0])
+            return lambda values: values
+
+        captured, _ = self._capture(run)
+        shard = draft_shard(layouts[0], self.cp_mesh.get_group(), before, after)
+        return DSparkShardBatch(
+            target_hidden_states=shard.exchange(self._features(captured), "before"),
+            target_last_hidden_states=shard.exchange(captured["norm"], "after"),
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            position_ids=position_ids,
+            seq_lens=seq_lens,
+            doc_remaining=doc_remaining,
+            shard=shard,
+        )
+
+    def _features(self, captured: dict[object, torch.Tensor]) -> torch.Tensor:
+        """The draft context [batch, run_sequence, len(target_layer_ids) * hidden] of one capture."""
+        return torch.cat([captured[layer_id] for layer_id in self.target_layer_ids], dim=-1)
+
+
+__all__ = ["DSparkShardBatch", "DeepseekV41DSparkTargetModel"]

@@ -1,0 +1,387 @@
+"""Per-GPU memory and per-step communication of packed DSpark on a V4.1 target: a model on paper.
+
+``estimate(counts, layout)`` adds up, per GPU and per micro-batch, what a layout of the recipe
+holds: the frozen target's resident shards and the FSDP units gathered during its forward, the
+target's forward activations, the captured features (CP-native: shard + halos), the draft's
+logits and layer inputs, its parameters, gradients and AdamW state, and a fixed runtime
+reserve; and the bytes each GPU sends. ``check_layout_fits`` is the recipe's refusal, run before
+anything is loaded. ``docs/scaling.md`` holds the tables (``benchmarks/memory_model.py``).
+
+Parameter counts come from the target config: routed experts and Engram tables by formula
+(tested equal to meta-device counts), the rest by building the model on the meta device
+without its Engram tables (no memory, ~0.2 s). Activation bytes per token are formulas of the
+config's widths; the assumptions are spelled out where they are used.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+GIB = 2**30
+BF16 = 2
+FP32 = 4
+RUNTIME_RESERVE_GIB = 6.0  # CUDA context, NCCL and HybridEP buffers, allocator fragmentation
+CAPACITY_FRACTION = 0.92  # usable share of a GPU's memory after the reserve
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts and widths of a target and its DSpark draft.
+
+    Attributes:
+        experts: Routed-expert parameters of the target.
+        engram: Engram table parameters (row-owner sharded over all ranks).
+        dense: Every other target parameter.
+        expert_layer: Routed-expert parameters of one MoE layer.
+        dense_unit: The largest non-expert FSDP unit (embedding, head or one layer's dense part).
+        moe_layers: Target layers with routed experts.
+        compressed_layers: Target layers with compressed (sparse) attention.
+        draft_trainable: Trainable draft parameters (embedding and head frozen).
+        draft_frozen: Frozen draft parameters (embedding and head copies).
+        draft_layer: Parameters of the draft's largest layer (its FSDP unit).
+        widths: Config widths used by the activation formulas.
+    """
+
+    experts: int
+    engram: int
+    dense: int
+    expert_layer: int
+    dense_unit: int
+    moe_layers: int
+    compressed_layers: int
+    draft_trainable: int
+    draft_frozen: int
+    draft_layer: int
+    widths: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def target(self) -> int:
+        return self.experts + self.engram + self.dense
+
+
+def routed_expert_parameters(text: Any) -> int:
+    """Routed-expert parameters of one MoE layer: gate+up [hidden, 2 * inter] and down [inter, hidden] per expert."""
+    return int(text.n_routed_experts) * 3 * int(text.hidden_size) * int(text.moe_intermediate_size)
+
+
+def engram_table_parameters(text: Any) -> int:
+    """Engram table parameters: one [rows, engram_head_dim] table per Engram layer below num_hidden_layers."""
+    rows = [
+        rows
+        for layer, rows in zip(text.engram_layer_ids, text.engram_num_embeddings, strict=True)
+        if layer < text.num_hidden_layers
+    ]
+    return sum(int(r) for r in rows) * int(text.engram_head_dim)
+
+
+def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
+    """Count a V4.1 target (``DeepseekV41TextConfig``) and its released DSpark draft.
+
+    Args:
+        text: The target's text config.
+        num_anchors: Draft option (does not change parameter counts).
+
+    Returns:
+        ModelCounts. Builds the target (without Engram tables) and the draft on the meta device.
+    """
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, released_draft_options
+
+    values = text.to_dict()
+    values.update(engram_layer_ids=[], engram_num_embeddings=[])
+    config = DeepseekV41Config(text_config=values, vision_config={"num_hidden_layers": 0})
+    with torch.device("meta"):
+        target = DeepseekV41ForCausalLM(config, backend=cpu_backend())
+        draft = released_draft_options(text, num_anchors=num_anchors).build()
+    layers = int(text.num_hidden_layers)
+    expert_layer = routed_expert_parameters(text)
+    experts = sum(p.numel() for name, p in target.named_parameters() if ".experts." in name)
+    moe_layers = experts // expert_layer if expert_layer else 0
+    dense_units = [target.model.embed_tokens.weight.numel(), target.lm_head.weight.numel()]
+    for layer in target.model.layers.values():
+        dense_units.append(sum(p.numel() for name, p in layer.named_parameters() if ".experts." not in name))
+    frozen = draft.embed_tokens.weight.numel() + draft.lm_head.weight.numel()
+    draft_total = sum(p.numel() for p in draft.parameters())
+    ratios = list(text.compress_ratios[:layers])
+    return ModelCounts(
+        experts=experts,
+        engram=engram_table_parameters(text),
+        dense=sum(p.numel() for p in target.parameters()) - experts,
+        expert_layer=expert_layer,
+        dense_unit=max(dense_units),
+        moe_layers=moe_layers,
+        compressed_layers=sum(1 for r in ratios if r),
+        draft_trainable=draft_total - frozen,
+        draft_frozen=frozen,
+        draft_layer=max(sum(p.numel() for p in layer.parameters()) for layer in draft.layers),
+        widths={
+            "hidden": int(text.hidden_size),
+            "hc_mult": int(text.hc_mult),
+            "heads": int(text.num_attention_heads),
+            "head_dim": int(text.head_dim),
+            "o_lora_rank": int(text.o_lora_rank),
+            "o_groups": int(text.o_groups),
+            "topk": int(text.num_experts_per_tok),
+            "moe_inter": int(text.moe_intermediate_size),
+            "vocab": int(text.vocab_size),
+            "window": int(text.sliding_window),
+            "block": int(text.dspark_block_size),
+            "feature_layers": len(text.dspark_target_layer_ids),
+            "draft_layers": len(draft.layers),
+            "min_ratio": min((r for r in ratios if r), default=1),
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One run's parallel layout and batch.
+
+    Attributes:
+        gpus: Ranks of the run (nodes x GPUs per node).
+        gpu_gib: Memory of one GPU.
+        ep: Expert-parallel size of the target (divides ``gpus``).
+        cp: Context-parallel size.
+        rows: Packed rows per micro-batch and rank.
+        row_tokens: Tokens per packed row (``packed_sequence_size``).
+        anchors_per_row: The row's anchor cap (``max_anchors_per_row``).
+        strategy: Draft data parallelism, ``fsdp2`` or ``ddp``.
+        cp_native: The draft trains each CP rank's anchors (True) or every rank gathers the
+            pack's features and trains every anchor (False: the plugin before CP-native).
+    """
+
+    gpus: int
+    gpu_gib: float
+    ep: int
+    cp: int
+    rows: int
+    row_tokens: int
+    anchors_per_row: int
+    strategy: str = "fsdp2"
+    cp_native: bool = True
+
+    @property
+    def nodes(self) -> float:
+        return self.gpus / 8
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-GPU bytes held at the peak of a micro-batch and bytes sent per micro-batch.
+
+    Attributes:
+        memory: Named parts (bytes) whose sum is the peak estimate.
+        traffic: Named bytes one GPU sends per micro-batch.
+        layout: The layout estimated.
+    """
+
+    memory: dict[str, float]
+    traffic: dict[str, float]
+    layout: Layout
+
+    @property
+    def total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def usable(self) -> float:
+        return self.layout.gpu_gib * GIB * CAPACITY_FRACTION
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    @property
+    def headroom(self) -> float:
+        """Usable bytes left (negative when the layout does not fit)."""
+        return self.usable - self.total
+
+
+def target_activation_bytes_per_token(widths: dict[str, int]) -> float:
+    """Peak forward activation bytes of one local token in a no-grad bf16 V4.1 layer.
+
+    Counted: the HC residual streams (in, out and the layer's branch: 3 x hc_mult x hidden), the
+    attention transients (queries and outputs heads x head_dim, the grouped output projection
+    o_groups x o_lora_rank), and the MoE transients (top-k dispatched copies in and out, the
+    experts' gate/up [topk, 2 x inter]). Not counted: attention scores and the indexer's top-k
+    scores, which the TileLang kernels compute in tiles.
+    """
+    w = widths
+    residual = 3 * w["hc_mult"] * w["hidden"]
+    attention = 2 * w["heads"] * w["head_dim"] + w["o_groups"] * w["o_lora_rank"]
+    moe = 2 * w["topk"] * w["hidden"] + 2 * w["topk"] * w["moe_inter"]
+    return BF16 * (residual + max(attention, moe))
+
+
+def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
+    """Per-GPU memory and traffic of ``layout`` (see the module docstring for what is counted).
+
+    Args:
+        counts: ``model_counts`` of the target and draft.
+        layout: The layout.
+
+    Returns:
+        Estimate with named parts in bytes.
+    """
+    w, g = counts.widths, layout.gpus
+    local_tokens = layout.rows * layout.row_tokens / layout.cp
+    feature_width = (w["feature_layers"] + 1) * w["hidden"]
+    gathered_experts = counts.expert_layer / layout.ep if layout.ep < g else 0
+    anchors = math.ceil(layout.anchors_per_row / layout.cp) if layout.cp_native else layout.anchors_per_row
+    draft_tokens = layout.rows * anchors * w["block"]
+    if layout.cp_native and layout.cp > 1:
+        feature_columns = layout.row_tokens / layout.cp + w["window"] + w["block"]
+    else:
+        feature_columns = layout.row_tokens
+    draft_replicas = g if layout.strategy == "fsdp2" else 1
+    memory = {
+        "target shards (bf16)": BF16 * counts.target / g,
+        "target gathered units": 2 * BF16 * (counts.dense_unit + gathered_experts),
+        "target activations": local_tokens * target_activation_bytes_per_token(w),
+        "captured features": BF16 * layout.rows * feature_columns * feature_width,
+        # fp32 draft logits, the teacher's aligned logits and the logits' gradient.
+        "draft logits": 3 * FP32 * draft_tokens * w["vocab"],
+        # Checkpointed layer inputs plus one layer's recompute (HC streams, attention, MoE).
+        "draft activations": BF16 * draft_tokens * w["hidden"] * (w["draft_layers"] + 3 * w["hc_mult"] + 2 * w["topk"]),
+        # bf16 parameters and gradients, fp32 AdamW moments; frozen embedding and head in bf16.
+        "draft params + grads + AdamW": (12 * counts.draft_trainable + BF16 * counts.draft_frozen) / draft_replicas,
+        # FSDP2 gathers a whole draft layer (its routed experts included) and prefetches the next.
+        "draft gathered layers": 2 * BF16 * counts.draft_layer if layout.strategy == "fsdp2" else 0,
+        "runtime reserve": RUNTIME_RESERVE_GIB * GIB,
+    }
+    peers = (g - 1) / g
+    traffic = {
+        "target FSDP all-gather": BF16
+        * (counts.dense + (counts.experts * (1 - layout.ep / g) if layout.ep < g else 0))
+        / g
+        * (g - 1),
+        "MoE dispatch + combine": 2
+        * BF16
+        * local_tokens
+        * w["topk"]
+        * w["hidden"]
+        * counts.moe_layers
+        * (layout.ep - 1)
+        / layout.ep,
+        "target CP (compressed KV + window halo)": BF16
+        * layout.rows
+        * counts.compressed_layers
+        * w["head_dim"]
+        * (layout.row_tokens / w["min_ratio"] + w["window"])
+        * (layout.cp - 1)
+        / layout.cp,
+        "draft features (halo or all-gather)": (
+            BF16 * layout.rows * (w["window"] * w["feature_layers"] * w["hidden"] + w["block"] * w["hidden"])
+            if layout.cp_native
+            else BF16 * layout.rows * layout.row_tokens / layout.cp * feature_width * (layout.cp - 1)
+        )
+        if layout.cp > 1
+        else 0,
+        "draft FSDP (gather x2, reduce-scatter fp32)": (2 * BF16 + FP32) * counts.draft_trainable * peers
+        if layout.strategy == "fsdp2"
+        else 2 * FP32 * counts.draft_trainable * peers,
+    }
+    return Estimate(memory, traffic, layout)
+
+
+def candidate_layouts(layout: Layout) -> list[Layout]:
+    """Layouts near ``layout``, nearest first: more CP at the same GPUs, then more nodes, then EP."""
+    candidates = []
+    for nodes_factor in (1, 2, 4, 8):
+        gpus = layout.gpus * nodes_factor
+        for cp in (layout.cp, 2 * layout.cp, 4 * layout.cp, 8 * layout.cp):
+            if gpus % cp:
+                continue
+            for ep in sorted({layout.ep * nodes_factor, gpus, layout.ep}, reverse=True):
+                if ep <= gpus and gpus % ep == 0:
+                    candidates.append(replace(layout, gpus=gpus, cp=cp, ep=ep))
+    return candidates
+
+
+def nearest_fitting(counts: ModelCounts, layout: Layout, margin: float = 0.1) -> Estimate | None:
+    """The first of ``candidate_layouts`` that fits with ``margin`` of its usable memory to spare, or None."""
+    for candidate in candidate_layouts(layout):
+        fitted = estimate(counts, candidate)
+        if fitted.headroom >= margin * fitted.usable:
+            return fitted
+    return None
+
+
+def describe(layout: Layout) -> str:
+    return (
+        f"{layout.gpus} GPUs of {layout.gpu_gib:g} GiB, ep_size={layout.ep}, cp_size={layout.cp}, "
+        f"{layout.rows} x {layout.row_tokens} tokens a micro-batch, {layout.anchors_per_row} anchors a row"
+    )
+
+
+def layout_from_config(cfg: Any, args: dict[str, Any], world_size: int, gpu_gib: float) -> Layout:
+    """The ``Layout`` of a recipe config.
+
+    Args:
+        cfg: The recipe config (its ``distributed:`` section).
+        args: Validated ``recipe_args``.
+        world_size: Ranks of the run.
+        gpu_gib: Memory of one GPU.
+    """
+    distributed = cfg.get("distributed", None)
+    get = (lambda key, default: distributed.get(key, default)) if distributed is not None else (lambda k, d: d)
+    row_tokens = int(args["packed_sequence_size"] or args["seq_length"])
+    anchors = args["max_anchors_per_row"] or args["num_anchors"]
+    return Layout(
+        gpus=world_size,
+        gpu_gib=gpu_gib,
+        ep=int(get("ep_size", 1) or 1),
+        cp=int(get("cp_size", 1) or 1),
+        rows=int(args["micro_batch_size"]),
+        row_tokens=row_tokens,
+        anchors_per_row=int(anchors),
+        strategy=str(get("strategy", "ddp")).lower() if world_size > 1 else "ddp",
+    )
+
+
+def check_layout_fits(counts: ModelCounts, layout: Layout) -> Estimate:
+    """Refuse a layout the model says cannot fit, naming the estimate and the nearest layout that fits.
+
+    Returns:
+        The estimate of ``layout`` when it fits.
+
+    Raises:
+        ValueError: with the per-GPU estimate, its largest parts and the nearest fitting layout.
+    """
+    result = estimate(counts, layout)
+    if result.fits:
+        return result
+    parts = sorted(result.memory.items(), key=lambda item: -item[1])[:3]
+    biggest = ", ".join(f"{name} {value / GIB:.1f}" for name, value in parts)
+    nearest = nearest_fitting(counts, layout)
+    suggestion = (
+        f"the nearest layout that fits is {describe(nearest.layout)} ({nearest.total / GIB:.1f} GiB a GPU)"
+        if nearest is not None
+        else "no layout up to 8x the GPUs fits; shorten recipe_args.packed_sequence_size"
+    )
+    raise ValueError(
+        f"this layout needs about {result.total / GIB:.1f} GiB a GPU ({biggest} GiB), more than the "
+        f"{result.usable / GIB:.1f} GiB usable of {layout.gpu_gib:g} GiB ({describe(layout)}); {suggestion} "
+        "(memory model: docs/scaling.md)"
+    )
+
+
+__all__ = [
+    "Estimate",
+    "Layout",
+    "ModelCounts",
+    "check_layout_fits",
+    "engram_table_parameters",
+    "estimate",
+    "layout_from_config",
+    "model_counts",
+    "nearest_fitting",
+    "routed_expert_parameters",
+    "target_activation_bytes_per_token",
+]

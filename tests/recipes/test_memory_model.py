@@ -1,0 +1,115 @@
+"""The memory and communication model (``recipes/memory_model.py``) and the GPU recipes it lays out."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from nemo_automodel.components.config.loader import load_yaml_config
+from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
+from nemo_automodel.components.models.deepseek_v41.engram import DeepseekV41Engram
+from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
+from nemo_automodel_ext.recipes.builders import check_layout_memory
+from nemo_automodel_ext.recipes.config import validate_recipe_config
+from nemo_automodel_ext.recipes.memory_model import (
+    GIB,
+    Layout,
+    check_layout_fits,
+    engram_table_parameters,
+    estimate,
+    layout_from_config,
+    model_counts,
+    routed_expert_parameters,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# The GPUs each shipped GPU recipe is laid out for: (ranks, GiB a GPU).
+GPU_RECIPES = {"dspark_flash_h200_4node_cp.yaml": (32, 141), "dspark_flash_h100_8node_cp.yaml": (64, 80)}
+
+
+@pytest.fixture(scope="module")
+def flash():
+    text = DeepseekV41TextConfig()  # upstream's defaults are the released V4.1-Flash
+    return text, model_counts(text)
+
+
+def test_routed_experts_match_the_meta_device_count(flash):
+    text, counts = flash
+    values = text.to_dict()
+    values.update(engram_layer_ids=[], engram_num_embeddings=[])
+    with torch.device("meta"):
+        target = DeepseekV41ForCausalLM(
+            DeepseekV41Config(text_config=values, vision_config={"num_hidden_layers": 0}), backend=cpu_backend()
+        )
+    on_meta = sum(p.numel() for name, p in target.named_parameters() if ".experts." in name)
+    assert on_meta == counts.experts == counts.moe_layers * routed_expert_parameters(text)
+    assert round(on_meta / 1e9, 1) == 543.6  # the review's count; 1012.5 GiB in bf16
+    assert on_meta * 2 / GIB == pytest.approx(1012.5, abs=0.05)
+    assert counts.dense == sum(p.numel() for p in target.parameters()) - on_meta
+
+
+def test_engram_tables_match_the_meta_device_modules(flash):
+    text, counts = flash
+    with torch.device("meta"):
+        tables = [DeepseekV41Engram(text, layer, cpu_backend()).embed.weight.numel() for layer in text.engram_layer_ids]
+    assert sum(tables) == engram_table_parameters(text) == counts.engram
+    assert [round(t * 2 / GIB) for t in tables] == [183, 183]
+
+
+def test_tiny_counts_match_its_meta_model():
+    text = tiny_target_config().text_config
+    counts = model_counts(text, 8)
+    with torch.device("meta"):
+        target = DeepseekV41ForCausalLM(tiny_target_config(), backend=cpu_backend())
+    assert counts.target == sum(p.numel() for p in target.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+def test_every_gpu_recipe_fits_with_the_headroom_it_states(flash, name):
+    _, counts = flash
+    path = REPO / "recipes" / "deepseek_v41" / name
+    cfg = load_yaml_config(path)
+    gpus, gib = GPU_RECIPES[name]
+    args = validate_recipe_config(cfg, gpus, "cuda", require_packages=False)
+    result = check_layout_fits(counts, layout_from_config(cfg, args, gpus, gib))
+    assert result.fits and result.headroom > 8 * GIB
+    stated = re.search(r"([\d.]+) GiB a GPU of ([\d.]+) usable \(([\d.]+) GiB headroom\)", path.read_text())
+    assert stated, f"{name} must state the model's estimate in its header"
+    assert [float(v) for v in stated.groups()] == [
+        round(result.total / GIB, 1),
+        round(result.usable / GIB, 1),
+        round(result.headroom / GIB, 1),
+    ]
+
+
+def test_one_node_is_refused_with_the_estimate_and_the_nearest_layout(flash, tmp_path):
+    text, counts = flash
+    layout = Layout(gpus=8, gpu_gib=141, ep=8, cp=1, rows=1, row_tokens=16384, anchors_per_row=2048)
+    with pytest.raises(ValueError) as error:
+        check_layout_fits(counts, layout)
+    message = str(error.value)
+    assert "needs about 243.3 GiB a GPU" in message and "target shards (bf16)" in message
+    assert "the nearest layout that fits is 32 GPUs of 141 GiB" in message
+    # The recipe's check reads only the target's config.json.
+    DeepseekV41Config(text_config=text.to_dict(), vision_config={"num_hidden_layers": 0}).save_pretrained(tmp_path)
+    cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node_cp.yaml")
+    args = validate_recipe_config(cfg, 8, "cuda", require_packages=False)
+    with pytest.raises(ValueError, match="GiB a GPU"):
+        check_layout_memory(cfg, args, str(tmp_path), 8, 141)
+
+
+def test_cp_native_features_and_draft_logits_shrink_with_cp(flash):
+    _, counts = flash
+    parts = []
+    for native in (False, True):
+        for cp in (1, 2, 4, 8):
+            layout = Layout(64, 80, 64, cp, 1, 131072, 2048, cp_native=native)
+            parts.append(estimate(counts, layout).memory)
+    gathered, halo = parts[:4], parts[4:]
+    assert [p["captured features"] for p in gathered] == [gathered[0]["captured features"]] * 4
+    assert halo[3]["captured features"] < gathered[3]["captured features"] / 7
+    assert halo[3]["draft logits"] == pytest.approx(gathered[3]["draft logits"] / 8)
