@@ -37,6 +37,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/packing.py
 	$(PY) benchmarks/dspark_target.py
 	$(PY) benchmarks/draft_scaling.py
+	$(PY) benchmarks/cp_draft.py
+	$(PY) benchmarks/training_step.py
+	$(PY) benchmarks/memory_model.py
 
 clean:
 	rm -rf $(VENV) outputs

@@ -7,6 +7,7 @@ Cases (issue 2):
   (b) 8 rows x 131,072 tokens, 256 documents per row, alignment 128: build the layout.
   (c) pack + restore of a float tensor [8, 131072, 64] on layout (b).
   Peak memory of one ``pack`` of (c)'s tensor, above the live inputs.
+  The memcpy floor of (b): one clone of the layout's output tensors (goal: (b) within 3x of it).
 
 Prints one table with median wall times and the upstream/plugin ratio.
 """
@@ -107,6 +108,13 @@ def main() -> None:
             )
         )
     layout_upstream, layout_plugin = build_upstream(), build_plugin()
+    # The floor of any layout builder: writing its output bytes once (a same-run memcpy of the
+    # layout's four tensors).
+    outputs = [
+        getattr(layout_plugin, name) for name in ("source_indices", "input_positions", "position_ids", "sequence_ids")
+    ]
+    floor = median_seconds(lambda: [tensor.clone() for tensor in outputs], device, args.repeats)
+    layout_mib = sum(tensor.numel() * tensor.element_size() for tensor in outputs) / 2**20
     values = torch.randn(8, 131072, 64, generator=generator).to(device)
     rows.append(
         (
@@ -128,6 +136,11 @@ def main() -> None:
     )
 
     print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} repeats={args.repeats}")
+    print(
+        f"(b) memcpy floor of the layout's {layout_mib:.0f} MiB output: {floor * 1e3:.2f} ms; "
+        f"plugin layout (b) = {rows[1][2] / floor:.2f}x the floor (goal <= 3x), "
+        f"upstream/plugin {rows[1][1] / rows[1][2]:.2f}x (goal >= 1.5x)"
+    )
     header = f"{'case':<46} {'upstream':>12} {'plugin':>12} {'upstream/plugin':>16}"
     print(header)
     print("-" * len(header))
