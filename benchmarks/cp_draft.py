@@ -15,7 +15,9 @@ config (hidden 64, 6 layers, random weights), the released draft options with
 Per rank (the slowest): the draft step (feature exchange + draft forward + backward, median of
 ``--repeats``; the target forward is excluded), the bytes of the features and last hidden
 states it holds, and its anchors. Goal: the halo step's draft time and feature bytes fall
-about 1/cp of CP=1's; the all-gather step's do not.
+about 1/cp of CP=1's; the all-gather step's do not. The last column counts host syncs of one whole
+step (capture included) in the plugin's code (``host_syncs.py``); ``CP_DRAFT_SITES=1`` prints their
+call sites. Goal: CP adds none.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def _setup(args):
     return target, trainer, (input_ids, loss_mask, positions, seq_lens, remaining)
 
 
-def _draft_step(trainer, batch, features, last, shard=None) -> int:
-    """One draft forward + backward; returns the anchors this rank trained."""
+def _draft_step(trainer, batch, features, last, shard=None, count: bool = True) -> int:
+    """One draft forward + backward; returns the anchors this rank trained (0 unless ``count``)."""
     from nemo_automodel_ext.models.deepseek_v41.anchors import select_packed_anchors
 
     input_ids, loss_mask, positions, seq_lens, remaining = batch
@@ -71,6 +73,8 @@ def _draft_step(trainer, batch, features, last, shard=None) -> int:
     metrics = trainer(input_ids, features, loss_mask, last, positions, seq_lens, remaining, shard=shard)
     metrics.loss.backward()
     trainer.zero_grad(set_to_none=True)
+    if not count:
+        return 0
     torch.manual_seed(7)
     selected = select_packed_anchors(loss_mask, remaining, seq_lens, trainer.draft_model.anchors_per_document)
     return int(selected.sum() if shard is None else shard.own_anchors(selected, seq_lens)[1].sum())
@@ -117,20 +121,29 @@ def _measure(args, mode: str, wrapper, trainer, batch) -> tuple[float, int, int]
             shard = draft_shard(layouts[0], group, window, block)
             return shard.exchange(features, "before"), shard.exchange(norm, "after"), shard
 
-    from host_syncs import by_owner, count_host_syncs
+    from host_syncs import by_owner, count_host_syncs, owner
 
     # Host syncs of one whole step (capture included) in the plugin's code, by dispatch.
     with count_host_syncs() as counts:
         if mode == "cp1":
             wrapper.generate_batch(input_ids, torch.ones_like(input_ids), loss_mask, positions, seq_lens, remaining)
-            _draft_step(trainer, batch, captured.target_hidden_states, captured.target_last_hidden_states)
+            _draft_step(trainer, batch, captured.target_hidden_states, captured.target_last_hidden_states, count=False)
         else:
             whole = wrapper.generate_shard_batch(
                 input_ids, loss_mask, positions, seq_lens, remaining, before=window, after=block
             )
             if mode == "halo":
-                _draft_step(trainer, batch, whole.target_hidden_states, whole.target_last_hidden_states, whole.shard)
+                _draft_step(
+                    trainer,
+                    batch,
+                    whole.target_hidden_states,
+                    whole.target_last_hidden_states,
+                    whole.shard,
+                    count=False,
+                )
     syncs = by_owner(counts).get("plugin", 0)
+    if os.environ.get("CP_DRAFT_SITES") and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(mode, {site: n for site, n in counts.items() if owner(site) == "plugin"}, flush=True)
     times, anchors, held = [], 0, 0
     for _ in range(args.repeats + 1):
         if dist.is_initialized():

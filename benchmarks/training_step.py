@@ -1,6 +1,6 @@
 """Full DSpark training steps on CPU: packed vs padded, cost per token vs pack size, host syncs.
 
-Run: ``.venv/bin/python benchmarks/training_step.py [--documents 192] [--skip padded scaling syncs]``
+Run: ``.venv/bin/python benchmarks/training_step.py [--documents 128] [--skip padded scaling syncs]``
 
 A step is what the recipe's loop runs per micro-batch: the frozen target's capture, the draft's
 forward, the DSpark loss, backward, gradient clipping and an AdamW step. Documents are drawn
@@ -11,8 +11,11 @@ count per row, one document a row).
 1. Packed vs padded, real tokens per second over the same documents, for the tiny config and a
    mid-size one (hidden 256, 4 heads x 64, 8 experts of 128; 6 layers). Padded: micro-batches
    of 8 documents padded to the longest. Packed: rows of ``--row`` tokens. Goal: packed >= 2x.
-2. Cost per real token of a packed step as the pack grows (rows of 1k, 4k, 16k, 32k tokens, the
-   tiny config). Goal: flat within 1.5x.
+2. Cost per real token as the pack grows (rows of 1k, 4k, 16k, 32k tokens, the tiny config), per
+   part: the plugin's layout (align, pack the ids, restore the features), the draft step on
+   captured-shape features (forward, loss, backward, AdamW), and upstream's eager CPU target
+   forward (measured up to ``--target-max-row``: its CPU attention grows quadratically with the row,
+   150 s and 19 GB for one 16k row on 2 cores; TileLang on GPU does not). Goal: flat within 1.5x.
 3. Host syncs of one packed step (``host_syncs.py``), by call site and owner. Goal: at most 3 in
    the plugin's own code outside logging steps (CP's are in ``cp_draft.py``'s table).
 """
@@ -156,10 +159,66 @@ def run(stepper: Stepper, batches) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
+def scaling(args) -> None:
+    """Section 2: microseconds per real token of each part of a packed step, by row length."""
+    from nemo_automodel_ext.models.deepseek_v41.dspark_target import aligned_packed_layout
+
+    print("\n2. cost per real token as the pack grows (tiny config), microseconds per token (vs the 1k row)")
+    print(f"{'row':>7} {'layout':>14} {'draft step':>14} {'target (eager)':>16}")
+    stepper = Stepper({}, args.per_document)
+    text = stepper.target.config.text_config
+    feature_width = len(text.dspark_target_layer_ids) * text.hidden_size
+    many = stepper.tokens(chat_lengths(2400, seed=2))
+    base: list[float] = []
+    for row in (1024, 4096, 16384, 32768):
+        ids, mask, seq_lens = next(packed_batches(many, row))
+        input_ids, attention_mask, loss_mask, packing, clip = stepper.prepare(ids, mask, seq_lens)
+        tokens = int(mask.sum())
+        features = torch.randn(1, row, feature_width)
+        last = torch.randn(1, row, text.hidden_size)
+
+        def layout():
+            plan = aligned_packed_layout(seq_lens, (1, row), 4, sync_across_ranks=False)
+            plan.pack(input_ids)
+            return plan.restore(torch.zeros(1, plan.source_indices.shape[1], feature_width))
+
+        def draft():
+            metrics = stepper.trainer(
+                input_ids, features, loss_mask, last, packing["position_ids"], seq_lens, packing["doc_remaining"]
+            )
+            metrics.loss.backward()
+            clip(1.0, [stepper.trainer])
+            stepper.optimizer.step()
+            stepper.optimizer.zero_grad(set_to_none=True)
+
+        costs = [_per_token(layout, tokens), _per_token(draft, tokens)]
+        if row <= args.target_max_row:
+            costs.append(
+                _per_token(
+                    lambda: stepper.wrapper.generate_batch(input_ids, attention_mask, loss_mask, **packing), tokens
+                )
+            )
+        base = base or costs
+        cells = [f"{c:>7.2f} ({c / b:.2f}x)" for c, b in zip(costs, base)]
+        cells += ["skipped"] * (3 - len(cells))
+        print(f"{row:>7} {cells[0]:>14} {cells[1]:>14} {cells[2]:>16}")
+
+
+def _per_token(fn, tokens: int, repeats: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] / tokens * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=192)
-    parser.add_argument("--row", type=int, default=4096)
+    parser.add_argument("--documents", type=int, default=128)
+    parser.add_argument("--row", type=int, default=2048, help="packed row of section 1 (the longest document)")
+    parser.add_argument("--target-max-row", type=int, default=4096)
     parser.add_argument("--per-document", type=int, default=16)
     parser.add_argument("--skip", nargs="*", default=[], choices=["padded", "scaling", "syncs"])
     args = parser.parse_args()
@@ -181,17 +240,7 @@ def main() -> None:
             padded, packed = padded_tokens / padded_seconds, packed_tokens / packed_seconds
             print(f"{name:<8} {padded:>13,.0f} {packed:>13,.0f} {packed / padded:>13.2f}x")
     if "scaling" not in args.skip:
-        print("\n2. cost per real token of a packed step as the pack grows (tiny config)")
-        print(f"{'row':>7} {'rows':>5} {'us/token':>9} {'vs 1k':>7}")
-        stepper = Stepper({}, args.per_document)
-        many = stepper.tokens(chat_lengths(max(args.documents, 640), seed=2))
-        base = None
-        for row in (1024, 4096, 16384, 32768):
-            batches = list(packed_batches(many, row))
-            seconds, tokens = run(stepper, batches[: max(2, min(len(batches), 65536 // row))])
-            cost = seconds / tokens * 1e6
-            base = base or cost
-            print(f"{row:>7} {min(len(batches), max(2, 65536 // row)):>5} {cost:>9.1f} {cost / base:>6.2f}x")
+        scaling(args)
     if "syncs" not in args.skip:
         from host_syncs import by_owner, count_host_syncs, owner
 

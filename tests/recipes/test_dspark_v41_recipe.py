@@ -319,23 +319,27 @@ def test_cp2_recipe_run_matches_cp1_step_for_step(uninterrupted):
         assert two["greedy_agreement"] == one["greedy_agreement"] == 1.0
 
 
-def test_fsdp2_draft_trains_and_resumes_exactly(uninterrupted):
-    """The production recipes' FSDP2 draft (two dp ranks on gloo): trains, checkpoints, resumes exactly."""
+@pytest.mark.parametrize("cp_size", [1, 2], ids=["dp2", "cp2"])
+def test_fsdp2_draft_trains_and_resumes_exactly(uninterrupted, cp_size):
+    """The production recipes' FSDP2 draft on two gloo ranks (two dp ranks, or one dp group of CP 2 with the
+    draft sharded over dp x cp): trains, writes one shard per rank, resumes exactly."""
     workdir, _, _ = uninterrupted
     small = workdir / "small_fsdp2.jsonl"
     small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:300]) + "\n")
     common = (
         f"--recipe_args.train_data_path={small}",
+        f"--distributed.cp_size={cp_size}",
         "--distributed.strategy=fsdp2",
         "--recipe_args.micro_batch_size=4",
         "--checkpoint.save_consolidated=false",
         "--recipe_args.ckpt_every_steps=5",
     )
-    run_tiny_recipe(workdir, "fsdp2", *common, nproc=2)
-    checkpoint = workdir / "fsdp2" / "checkpoints" / "epoch_0_step_5"
-    assert len(list((checkpoint / "model").glob("shard-*.safetensors"))) == 2  # one shard per dp rank
-    run_tiny_recipe(workdir, "fsdp2_resumed", *common, f"--checkpoint.restore_from={checkpoint}", nproc=2)
-    full, resumed = read_metrics(workdir / "fsdp2"), read_metrics(workdir / "fsdp2_resumed")
+    run, resumed_run = f"fsdp2_cp{cp_size}", f"fsdp2_cp{cp_size}_resumed"
+    run_tiny_recipe(workdir, run, *common, nproc=2)
+    checkpoint = workdir / run / "checkpoints" / "epoch_0_step_5"
+    assert len(list((checkpoint / "model").glob("shard-*.safetensors"))) == 2  # one shard per rank
+    run_tiny_recipe(workdir, resumed_run, *common, f"--checkpoint.restore_from={checkpoint}", nproc=2)
+    full, resumed = read_metrics(workdir / run), read_metrics(workdir / resumed_run)
     assert [record["step"] for record in resumed] == list(range(6, len(full) + 1))
     for record in resumed:
         reference = full[record["step"] - 1]
