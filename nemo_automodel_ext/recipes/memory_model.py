@@ -166,10 +166,6 @@ class Layout:
     strategy: str = "fsdp2"
     cp_native: bool = True
 
-    @property
-    def nodes(self) -> float:
-        return self.gpus / 8
-
 
 @dataclass(frozen=True)
 class Estimate:

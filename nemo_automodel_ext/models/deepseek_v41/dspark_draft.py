@@ -136,10 +136,15 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
             return sample_anchor_positions(
                 seq_len=loss_mask.shape[1], loss_mask=loss_mask, num_anchors=self.num_anchors, device=loss_mask.device
             )
-        selected = select_packed_anchors(
+        return compact_anchors(self._select_packed(loss_mask, seq_lens, doc_remaining))
+
+    def _select_packed(
+        self, loss_mask: torch.Tensor, seq_lens: torch.Tensor, doc_remaining: torch.Tensor
+    ) -> torch.Tensor:
+        """The packed anchor draw [batch, row - 1] (bool, default RNG): shared by every rank of a CP group."""
+        return select_packed_anchors(
             loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row
         )
-        return compact_anchors(selected)
 
     def forward(
         self,
@@ -260,10 +265,9 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         _require_shape("target_hidden_states", target_hidden_states, local, "CP DSpark draft (shard + halo): ")
         if target_last_hidden_states is not None:
             _require_shape("target_last_hidden_states", target_last_hidden_states, local, "CP DSpark draft: ")
-        selected = select_packed_anchors(
-            loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row
+        anchors, keep, document_starts = shard.own_anchors(
+            self._select_packed(loss_mask, seq_lens, doc_remaining), seq_lens
         )
-        anchors, keep, document_starts = shard.own_anchors(selected, seq_lens)
         return self._forward_anchors(
             shard.local(input_ids),
             target_hidden_states,
