@@ -18,6 +18,30 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
+from nemo_automodel_ext.models.deepseek_v41.selection import install_segmented_selection
+
+
+@torch.no_grad()
+def causal_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a V4.1 target on whole rows, each row one document, through the packed path.
+
+    The packed path uses the plugin's indexer selection (``selection.py``), whose ties do not
+    depend on the row width, so column t's logits depend on tokens 0..t only: the same logits
+    the capture, the acceptance replay and round-by-round decoding see.
+
+    Args:
+        model: ``DeepseekV41ForCausalLM``; its indexers are switched to the segmented selection.
+        input_ids: Token ids [batch, sequence].
+
+    Returns:
+        New logits [batch, sequence, vocab].
+    """
+    install_segmented_selection(model)
+    lengths = torch.full((input_ids.shape[0], 1), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
+    layout, inputs = prepare_packed_inputs(model, input_ids, lengths)
+    return layout.restore(model(**inputs).logits)
+
 
 @torch.no_grad()
 def greedy_generate(
@@ -66,7 +90,7 @@ def greedy_generate(
             ids = torch.tensor([list(prompts[i]) for i in chunk], dtype=torch.long, device=device)
             finished = torch.zeros(len(chunk), dtype=torch.bool, device=device)
             for _ in range(max_new_tokens):
-                step = model(ids, logits_to_keep=1).logits[:, -1].argmax(dim=-1)
+                step = causal_logits(model, ids)[:, -1].argmax(dim=-1)
                 ids = torch.cat((ids, step.unsqueeze(1)), dim=1)
                 if eos_token_id is not None:
                     finished |= step == eos_token_id
@@ -96,7 +120,9 @@ def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_b
         for begin in range(0, len(indices), rows_per_chunk):
             chunk = indices[begin : begin + rows_per_chunk]
             rows = [[*prompts[i], *guesses[i][:max_new_tokens]] for i in chunk]
-            predicted = model(torch.tensor(rows, dtype=torch.long, device=device)).logits.argmax(dim=-1).tolist()
+            predicted = (
+                causal_logits(model, torch.tensor(rows, dtype=torch.long, device=device)).argmax(dim=-1).tolist()
+            )
             for row, index in enumerate(chunk):
                 start, guess = len(prompts[index]), rows[row][len(prompts[index]) :]
                 tokens = []
@@ -119,4 +145,4 @@ def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_b
     return verified
 
 
-__all__ = ["greedy_generate"]
+__all__ = ["causal_logits", "greedy_generate"]

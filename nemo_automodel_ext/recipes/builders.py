@@ -17,6 +17,7 @@ from nemo_automodel.components.speculative.dspark.target_utils import DEEPSEEK_V
 from safetensors.torch import load_file
 
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
+from nemo_automodel_ext.models.deepseek_v41.selection import install_segmented_selection
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
 from nemo_automodel_ext.recipes.config import require_target_reshard, section_get
 from nemo_automodel_ext.registry import resolve_dspark_draft
@@ -52,6 +53,29 @@ def frozen_target_setup(cfg: Any, world_size: int):
     if isinstance(strategy, FSDP2Config):
         strategy.reshard_after_forward = True
     return setup
+
+
+def require_target_path(path: str, builder: str) -> None:
+    """Refuse a target path that names nothing: a missing local folder, or one without ``config.json``.
+
+    A Hugging Face id (``org/name``, not a local path) is left to the hub loader unless
+    ``builder`` is ``local``, which reads local folders only.
+    """
+    local = pathlib.Path(path)
+    hub_like = path.count("/") == 1 and not path.startswith((".", "/", "~")) and all(path.split("/"))
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"recipe_args.target_model_name_or_path={path} has no config.json: not a model folder")
+        return
+    if builder == "local" or not hub_like:
+        raise ValueError(
+            f"recipe_args.target_model_name_or_path={path} does not exist"
+            + (
+                " (target_builder: local reads a local folder with config.json + model.safetensors)"
+                if builder == "local"
+                else ""
+            )
+        )
 
 
 def require_v41_checkpoint(path: str, trust_remote_code: bool = False) -> None:
@@ -128,6 +152,7 @@ def load_local_target(path: str | pathlib.Path, backend, device: torch.device, d
             f"{path}/model.safetensors does not match its config: missing {missing}, unexpected {unexpected}"
         )
     cast_model_to_dtype(model, dtype)
+    install_segmented_selection(model)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -182,6 +207,7 @@ def build_packed_draft(
 
 
 __all__ = [
+    "require_target_path",
     "check_layout_memory",
     "frozen_target_setup",
     "target_text_config",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
+
 
 def _draft_slot_logits(draft, committed, proposals, features, block, pad):
     """Logits of draft slot len(proposals), with the draft's own proposals as its Markov inputs."""
@@ -21,6 +23,13 @@ def _draft_slot_logits(draft, committed, proposals, features, block, pad):
         torch.tensor([sequence]), context, torch.ones(1, len(sequence)), anchor_positions=torch.tensor([[anchor]])
     )
     return output.draft_logits[0, 0, len(proposals)]
+
+
+def _logits(model, tokens):
+    """The target's logits [1, sequence, vocab] over ``tokens`` alone: one packed document, a fresh forward."""
+    ids = torch.tensor([tokens])
+    layout, inputs = prepare_packed_inputs(model, ids, torch.tensor([[len(tokens)]]))
+    return layout.restore(model(**inputs).logits)
 
 
 def _features(wrapper, committed):
@@ -38,7 +47,7 @@ def naive_greedy(wrapper, draft, prompt, max_new, eos, pad):
     """Greedy speculative decoding; returns (tokens committed per round, generated text)."""
     model, block = wrapper.model, draft.config.dspark_block_size
     committed = list(prompt)
-    committed.append(int(model(torch.tensor([committed])).logits[0, -1].argmax()))
+    committed.append(int(_logits(model, committed)[0, -1].argmax()))
     generated, rounds = 1, []
     while generated < max_new and committed[-1] != eos:
         features = _features(wrapper, committed)
@@ -46,7 +55,7 @@ def naive_greedy(wrapper, draft, prompt, max_new, eos, pad):
         for _ in range(block):
             proposals.append(int(_draft_slot_logits(draft, committed, proposals, features, block, pad).argmax()))
         anchor = len(committed) - 1
-        greedy = model(torch.tensor([committed + proposals])).logits[0, anchor:].argmax(-1).tolist()
+        greedy = _logits(model, committed + proposals)[0, anchor:].argmax(-1).tolist()
         accepted = 0
         while accepted < block and proposals[accepted] == greedy[accepted]:
             accepted += 1
@@ -73,7 +82,7 @@ def naive_sampled(wrapper, draft, prompt, temperature, generator, max_new, eos, 
         return int(torch.multinomial(distribution, 1, generator=generator))
 
     committed = list(prompt)
-    committed.append(draw(probs(model(torch.tensor([committed])).logits[0, -1])))
+    committed.append(draw(probs(_logits(model, committed)[0, -1])))
     generated, rounds = 1, []
     while generated < max_new and committed[-1] != eos:
         features = _features(wrapper, committed)
@@ -83,7 +92,7 @@ def naive_sampled(wrapper, draft, prompt, temperature, generator, max_new, eos, 
             draft_probs.append(distribution)
             proposals.append(draw(distribution))
         anchor = len(committed) - 1
-        target_probs = probs(model(torch.tensor([committed + proposals])).logits[0, anchor:])
+        target_probs = probs(_logits(model, committed + proposals)[0, anchor:])
         new = []
         for slot in range(block):
             p, q = target_probs[slot, proposals[slot]], draft_probs[slot][proposals[slot]]

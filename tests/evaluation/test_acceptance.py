@@ -38,6 +38,29 @@ def test_greedy_replay_equals_decoding_round_for_round(demo_pair):
     assert total.agreed_tokens == total.offered_tokens  # generated text is the target's own
 
 
+def test_greedy_replay_equals_decoding_past_the_window(demo_pair):
+    """Sequences of 150-200 tokens (over twice the demo's 64-token window, ratio-1 indexer layers):
+    the one-forward replay commits exactly what round-by-round decoding commits (issue 17 item 4)."""
+    wrapper, draft, _, tokenizer = demo_pair
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    history = demo_sequences(40, seed=123)
+    prompts = []
+    for start in range(0, 32, 8):
+        turns = [
+            token for sequence in history[start : start + 8] for token in (*sequence.prompt, *sequence.continuation)
+        ]
+        prompts.append(turns[:150] + list(history[start + 8].prompt))
+    assert min(map(len, prompts)) > 150
+    reference = [naive_greedy(wrapper, draft, list(prompt), MAX_NEW, eos, pad) for prompt in prompts]
+    continuations = greedy_generate(wrapper.model, prompts, MAX_NEW, eos)
+    assert continuations == [text for _, text in reference]
+    batches = pack_sequences([EvalSequence(tuple(p), tuple(c)) for p, c in zip(prompts, continuations)], 256, 1, pad)
+    rounds = {}
+    for batch in batches:
+        rounds.update(greedy_replay(wrapper, draft, batch, max_anchors=64, keep_rounds=True).per_sequence)
+    assert [rounds.get(i, []) for i in range(len(prompts))] == [naive for naive, _ in reference]
+
+
 def test_dataset_answers_off_the_greedy_path_are_cut(demo_pair):
     """A dataset answer is replayed only up to its first token the target would not produce."""
     wrapper, draft, _, tokenizer = demo_pair

@@ -1,0 +1,208 @@
+"""Indexer top-k selection of packed V4.1 rows: vectorised over documents, ties broken by position.
+
+nemo_automodel 0.7.0's ``_Indexer._select_packed`` loops over every document of every row
+(``sequence_ids[row].unique().tolist()``, two ``torch.where`` and a top-k per document: host reads
+and small kernels that grow with the documents per row), and breaks score ties with
+``torch.topk``, whose choice among equal scores depends on the physical width of the tensor it
+runs on. The indexer's keys and queries are mxfp4-quantised, so exact ties are common in small
+models: appending one token to a row then changes the keys an *earlier* query selects, so the
+target's full forward is not prefix-consistent (``docs/evaluation.md``) and a one-forward greedy
+replay differs from decoding that commits tokens round by round.
+
+``segmented_select`` gives upstream's result without the loop: every query's top-k among its own
+document's visible keys (scores outside the document are already ``-inf``, so a whole-row
+selection *is* the per-document one), candidate blocks counted from each document's first
+compressed key, ``-1`` fill. Ties are broken by the lower compressed index, so a query's selection
+depends only on the scores it can see, never on the row width: the forward is prefix-consistent.
+On tie-free scores (what real scores give) the selected index sets equal upstream's.
+
+``install_segmented_selection(model)`` swaps the class of each indexer instance of a built target
+for ``SegmentedSelectionIndexer`` (the subclass only replaces ``_select_packed``); it is called
+when the plugin builds or wraps a target, never at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from nemo_automodel.components.models.deepseek_v41 import attention as upstream_attention
+
+_INT32_MAGNITUDE = 0x7FFFFFFF
+
+
+def tie_broken_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Unique int64 sort keys of ``scores`` [..., width]: higher score first, then lower index.
+
+    Args:
+        scores: Float scores [..., width] (BF16 or FP32; ``-inf``/``+inf`` allowed).
+
+    Returns:
+        New int64 tensor [..., width]; ``key_a > key_b`` iff ``a``'s score is larger, or equal
+        with a lower index. ``-0.0`` and ``0.0`` compare equal, as in ``torch.topk``.
+    """
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    ordered = torch.where(bits < 0, bits ^ _INT32_MAGNITUDE, bits).to(torch.int64)
+    width = scores.shape[-1]
+    rank = width - 1 - torch.arange(width, device=scores.device)
+    return ordered * (1 << 32) + rank
+
+
+def stable_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] of the ``k`` largest ``scores`` [..., width], ties to the lower index (unsorted)."""
+    return tie_broken_keys(scores).topk(k, dim=-1, sorted=False).indices
+
+
+def document_key_blocks(
+    compressed_seq_ids: torch.Tensor, compressed_valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, int]:
+    """Candidate-block id of every compressed key, blocks counted from each document's first key.
+
+    A document's keys are its complete groups (``compressed_valid``) with its id; upstream's
+    ``_select_packed`` numbers them 0, 1, ... and cuts blocks of ``block_size`` from key 0.
+
+    Args:
+        compressed_seq_ids: Document ids of the compressed keys [batch, width], 0 for padding;
+            a document's complete groups are contiguous (it starts on a group boundary).
+        compressed_valid: Complete compression groups [batch, width] (bool).
+        block_size: Compressed keys per candidate block.
+
+    Returns:
+        ``(blocks, count)``: new int64 [batch, width] block ids, unique per (row, document,
+        block) and below ``count - 1``; keys of no document get ``count - 1``; ``count`` is
+        ``width + 1`` (a block holds at least one key).
+    """
+    batch, width = compressed_seq_ids.shape
+    member = (compressed_seq_ids > 0) & compressed_valid
+    documents = compressed_seq_ids.where(member, 0).long()
+    # Documents numbered 1.. by their runs of keys, so the document axis is [batch, width + 1].
+    columns = torch.arange(width, device=documents.device).expand(batch, -1)
+    change = member & (documents != F.pad(documents[:, :-1], (1, 0), value=-1))
+    ordinal = change.long().cumsum(dim=1).where(member, 0)  # 1.. per run of one id, 0 elsewhere
+    seen = member.long().cumsum(dim=1)  # members up to and including each column
+    first = torch.full((batch, width + 1), width, dtype=torch.long, device=documents.device)
+    first = first.scatter_reduce(1, ordinal, columns, reduce="amin", include_self=True)
+    position = seen - seen.gather(1, first.clamp_max(width - 1).gather(1, ordinal))
+    keys = torch.zeros(batch, width + 1, dtype=torch.long, device=documents.device)
+    keys = keys.scatter_add(1, ordinal, member.long())
+    keys[:, 0] = 0
+    per_document = (keys + block_size - 1) // block_size
+    offset = per_document.cumsum(dim=1) - per_document
+    blocks = offset.gather(1, ordinal) + position // block_size
+    count = width + 1
+    return blocks.where(member, count - 1), count
+
+
+def segmented_select(
+    scores: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    state: upstream_attention.DeepseekV41AttentionState,
+    *,
+    topk: int,
+    is_candidate_source: bool,
+    uses_candidates: bool,
+    candidate_topk_blocks: int,
+    candidate_block_size: int,
+) -> upstream_attention.DeepseekV41AttentionState:
+    """Packed indexer selection (see the module): upstream's ``_select_packed`` result, vectorised.
+
+    Args:
+        scores: Causal, document-masked scores [batch, local_sequence, global_compressed]
+            (``-inf`` where a query may not read a key). Not modified.
+        sequence_ids: Document ids of the local queries [batch, local_sequence], 0 for padding.
+        state: Attention state with ``compressed_seq_ids`` and ``compressed_valid`` [batch,
+            global_compressed], and ``candidates`` [batch, local_sequence, global_compressed] when
+            ``uses_candidates``.
+        topk: The indexer's ``index_topk``.
+        is_candidate_source: This layer chooses candidate blocks for later layers.
+        uses_candidates: This layer selects among an earlier layer's candidates.
+        candidate_topk_blocks: Blocks kept per query (candidate source).
+        candidate_block_size: Compressed keys per block (candidate source).
+
+    Returns:
+        New state with ``topk_indices`` [batch, local_sequence, min(topk, global_compressed)]:
+        each query's selected global key indices ascending, then ``-1`` fill; and, for a
+        candidate source, new ``candidates`` [batch, local_sequence, global_compressed].
+
+    Raises:
+        ValueError: when ``uses_candidates`` and the state holds no candidates of ``scores``' shape.
+    """
+    width = scores.shape[-1]
+    candidates = state.candidates
+    if uses_candidates and (candidates is None or candidates.shape != scores.shape):
+        raise ValueError("A hierarchical Reindex layer requires candidates from its source layer")
+    finite = torch.isfinite(scores)
+    if is_candidate_source:
+        blocks, count = document_key_blocks(state.compressed_seq_ids, state.compressed_valid, candidate_block_size)
+        index = blocks.unsqueeze(1).expand_as(scores)
+        block_scores = scores.new_full((*scores.shape[:2], count), -torch.inf)
+        block_scores = block_scores.scatter_reduce(-1, index, scores, reduce="amax", include_self=True)
+        # The query's latest visible key's block is always kept (upstream's last_block).
+        latest = finite.long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)  # first column reaching the count
+        latest_block = blocks.unsqueeze(1).expand_as(scores).gather(-1, latest)
+        forced = finite.any(dim=-1, keepdim=True)
+        block_scores = block_scores.scatter(-1, latest_block, torch.inf).where(forced, block_scores)
+        block_scores[..., count - 1] = -torch.inf
+        chosen = stable_topk_indices(block_scores, min(candidate_topk_blocks, count))
+        keep = torch.zeros_like(block_scores, dtype=torch.bool)
+        keep = keep.scatter(-1, chosen, block_scores.gather(-1, chosen) > -torch.inf)
+        candidates = keep.gather(-1, index) & finite
+    elif uses_candidates:
+        scores = scores.masked_fill(~candidates, -torch.inf)
+        finite = finite & candidates
+    k = min(topk, width)
+    chosen = stable_topk_indices(scores, k)
+    chosen = torch.where(finite.gather(-1, chosen), chosen, width).sort(dim=-1).values
+    indices = chosen.masked_fill(chosen == width, -1)
+    return replace(state, topk_indices=indices, candidates=candidates)
+
+
+class SegmentedSelectionIndexer(upstream_attention._Indexer):
+    """Upstream's frozen V4.1 indexer with ``_select_packed`` replaced by ``segmented_select``."""
+
+    def _select_packed(
+        self,
+        scores: torch.Tensor,
+        sequence_ids: torch.Tensor,
+        state: upstream_attention.DeepseekV41AttentionState,
+    ) -> upstream_attention.DeepseekV41AttentionState:
+        """``segmented_select`` with this layer's settings; shapes as there."""
+        return segmented_select(
+            scores,
+            sequence_ids,
+            state,
+            topk=self.topk,
+            is_candidate_source=self.is_candidate_source,
+            uses_candidates=self.uses_candidates,
+            candidate_topk_blocks=self.candidate_topk_blocks,
+            candidate_block_size=self.candidate_block_size,
+        )
+
+
+def install_segmented_selection(model: nn.Module) -> int:
+    """Swap every upstream indexer of a built V4.1 target to ``SegmentedSelectionIndexer`` (idempotent).
+
+    Args:
+        model: A built target (``DeepseekV41ForCausalLM`` or a module holding one); changed in place.
+
+    Returns:
+        The number of indexers that use the segmented selection after the call.
+    """
+    installed = 0
+    for module in model.modules():
+        if type(module) is upstream_attention._Indexer:
+            module.__class__ = SegmentedSelectionIndexer
+        installed += isinstance(module, SegmentedSelectionIndexer)
+    return installed
+
+
+__all__ = [
+    "SegmentedSelectionIndexer",
+    "document_key_blocks",
+    "install_segmented_selection",
+    "segmented_select",
+    "stable_topk_indices",
+    "tie_broken_keys",
+]
