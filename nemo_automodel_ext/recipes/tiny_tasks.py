@@ -13,6 +13,7 @@ Numbers 0..299 and every word are single tokens (``build_tokenizer``).
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 # Fixed ids: the tiny configs' bos/eos/pad and their DSpark noise (mask) token.
@@ -51,9 +52,29 @@ def task(rng: random.Random) -> tuple[str, list[str]]:
     return f"copy {' '.join(words)}", words
 
 
-def conversation(rng: random.Random) -> dict:
-    """One OpenAI ``messages`` sample: a task and its exact answer."""
-    prompt, answer = task(rng)
+def held_out(prompt: str) -> bool:
+    """Whether a task instance belongs to the held-out split: a fixed twentieth of all instances.
+
+    The split is a property of the prompt text (a task instance is fully determined by its
+    prompt), so training and validation data drawn with any seeds and counts never share one.
+    """
+    return hashlib.sha256(prompt.encode()).digest()[0] % 20 == 0
+
+
+def conversation(rng: random.Random, split: str | None = None) -> dict:
+    """One OpenAI ``messages`` sample: a task and its exact answer.
+
+    Args:
+        rng: Source of the task.
+        split: ``"train"`` or ``"val"`` draws only instances of that split (``held_out``); None
+            draws from all instances.
+    """
+    if split not in (None, "train", "val"):
+        raise ValueError(f"split must be None, 'train' or 'val', got {split!r}")
+    while True:
+        prompt, answer = task(rng)
+        if split is None or held_out(prompt) == (split == "val"):
+            break
     return {
         "messages": [
             {"role": "user", "content": f"please {prompt}"},
@@ -83,4 +104,4 @@ def build_tokenizer():
     return tokenizer
 
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "WORDS", "build_tokenizer", "conversation", "task"]
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "WORDS", "build_tokenizer", "conversation", "held_out", "task"]
