@@ -29,7 +29,6 @@ from nemo_automodel.components.checkpoint.utils import (
     is_checkpoint_incomplete,
     resolve_restore_from_to_checkpoint_dir,
 )
-from nemo_automodel.components.config.loader import load_yaml_config
 from safetensors.torch import load_file
 
 from nemo_automodel_ext.evaluation.acceptance import evaluate_greedy, sampled_decode
@@ -37,8 +36,14 @@ from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
-from nemo_automodel_ext.recipes.builders import build_packed_draft, check_target_contract, load_local_target
+from nemo_automodel_ext.recipes.builders import (
+    build_packed_draft,
+    check_target_contract,
+    load_local_target,
+    require_target_path,
+)
 from nemo_automodel_ext.recipes.config import validate_recipe_config
+from nemo_automodel_ext.recipes.run_record import RUN_INFO, load_run_record, resolve_run_paths
 
 
 @dataclass
@@ -62,6 +67,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist; train first (make distill) or pass a checkpoint folder")
+    if (path / RUN_INFO).is_file() and not (path / "model").is_dir():
+        try:  # a run's output folder records where its checkpoints went (checkpoint.checkpoint_dir)
+            recorded = json.loads((path / RUN_INFO).read_text()).get("checkpoint_dir")
+        except ValueError:
+            recorded = None
+        if recorded and Path(recorded).is_dir() and Path(recorded).resolve() != path.resolve():
+            return resolve_checkpoint(recorded)
     if (path / "config.yaml").is_file() and (path / "model").is_dir():
         if is_checkpoint_incomplete(path):
             raise ValueError(f"checkpoint {path} was left incomplete by an interrupted save; pick a complete one")
@@ -82,14 +94,15 @@ def load_run(checkpoint: Path, device: torch.device, target_path: str | None = N
     from nemo_automodel._transformers.auto_tokenizer import NeMoAutoTokenizer
     from nemo_automodel.components.speculative.dspark.target_utils import apply_target_chat_template
 
-    cfg = load_yaml_config(checkpoint / "config.yaml")
-    args = validate_recipe_config(cfg, 1, device.type, require_packages=False)
+    cfg, launch_dir, _ = load_run_record(checkpoint)
+    args = resolve_run_paths(validate_recipe_config(cfg, 1, device.type, require_packages=False), launch_dir)
     if args["target_builder"] != "local" and target_path is None:
         raise ValueError(
             f"{checkpoint}: recipe_args.target_builder={args['target_builder']} needs the recipe's EP/FSDP layout; "
             "evaluate inside the run with recipe_args.eval_every_steps, or pass --target with a local target folder"
         )
     path = target_path or str(args["target_model_name_or_path"])
+    require_target_path(path, "local")
     backend = cpu_backend(
         attn=args["target_attn_backend"] if args["target_builder"] == "local" else "eager",
         dispatcher=args["target_dispatcher"] if args["target_builder"] == "local" else "torch",
@@ -148,7 +161,10 @@ def load_draft_weights(draft: DeepseekV41PackedDSparkModel, checkpoint: Path, ru
         raise ValueError(f"{checkpoint}: no draft weights (model/*.safetensors)")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
+        try:
+            state.update(load_file(file))
+        except Exception as error:  # safetensors' SafetensorError (truncated or corrupt header), OSError
+            raise ValueError(f"{file}: cannot read the draft weights ({' '.join(str(error).split())})") from None
     adapter = getattr(draft, "state_dict_adapter", None)
     if adapter is not None and not set(state) <= set(draft.state_dict()):
         state = adapter.from_hf(state)
@@ -181,12 +197,54 @@ def evaluation_sequences(run: EvalRun, data: str | None, limit: int | None) -> t
     path = data or run.args["val_data_path"]
     if path is None:
         raise ValueError("no evaluation prompts: the run has no recipe_args.val_data_path; pass --data FILE.jsonl")
+    if Path(path).is_dir():
+        raise ValueError(f"evaluation data {path} is a folder; pass a JSON or JSONL file of conversations")
     if not Path(path).is_file():
         raise ValueError(f"evaluation data {path} does not exist")
     sequences = read_eval_sequences(path, run.tokenizer, limit)
     if not sequences:
         raise ValueError(f"{path} holds no prompts to evaluate")
     return str(path), sequences
+
+
+def check_options(limit: int | None, temperature: float, max_new_tokens: int, device: str) -> None:
+    """Refuse evaluation options that cannot mean what they say, before anything is loaded."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1 (prompts to evaluate), got {limit}")
+    if not temperature >= 0 or temperature != temperature:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy only), got {temperature}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device name (cpu, cuda, cuda:N)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this torch build or machine has no CUDA device; use --device cpu")
+
+
+def resolve_named_checkpoint(name: str | Path, latest: Path) -> Path:
+    """A ``--checkpoint`` value: a folder path, or a checkpoint name (``epoch_N_step_M``) of the run."""
+    if Path(name).exists():
+        return resolve_checkpoint(name)
+    sibling = latest.parent / str(name)
+    if sibling.exists():
+        return resolve_checkpoint(sibling)
+    raise ValueError(f"--checkpoint {name}: neither a folder nor a checkpoint of the run under {latest.parent}")
+
+
+def row_names(checkpoints: list[Path]) -> dict[str, Path]:
+    """One table row per checkpoint: its name, or ``run/name`` when two share a name."""
+    names = [checkpoint.name for checkpoint in checkpoints]
+    rows: dict[str, Path] = {}
+    for checkpoint in checkpoints:
+        name = checkpoint.name
+        if names.count(name) > 1:
+            name = f"{checkpoint.parent.parent.name or checkpoint.parent.name}/{name}"
+        while name in rows:
+            name += "'"
+        rows[name] = checkpoint
+    return rows
 
 
 def format_table(results: dict[str, dict], block_size: int) -> str:
@@ -230,17 +288,21 @@ def evaluate_checkpoints(
     Returns:
         The ``eval.json`` content.
     """
+    check_options(limit, temperature, max_new_tokens, device)
     latest = resolve_checkpoint(path)
-    chosen = [resolve_checkpoint(each) for each in checkpoints] if checkpoints else [latest]
+    chosen = [resolve_named_checkpoint(each, latest) for each in checkpoints] if checkpoints else [latest]
+    output = Path(output) if output else latest.parent / "eval.json"
+    if not output.parent.is_dir():
+        raise ValueError(f"--output {output}: the folder {output.parent} does not exist")
     run = load_run(latest, torch.device(device), target_path)
     data_path, sequences = evaluation_sequences(run, data, limit)
     width = int(run.args["packed_sequence_size"] or run.args["seq_length"])
     pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     batches = pack_sequences(sequences, width, 8, pad)
-    drafts = {"untrained (init)": None, **{checkpoint.name: checkpoint for checkpoint in chosen}}
+    drafts = {"untrained (init)": None, **row_names(chosen)}
+    built = {name: build_draft(run, checkpoint) for name, checkpoint in drafts.items()}  # every file read first
     results, sampled = {}, {}
-    for name, checkpoint in drafts.items():
-        draft = build_draft(run, checkpoint)
+    for name, draft in built.items():
         results[name] = evaluate_greedy(run.target, draft, batches).summary()
         if temperature > 0:
             sampled[name] = sampled_decode(
@@ -271,7 +333,6 @@ def evaluate_checkpoints(
         "greedy": results,
         "sampled": {"temperature": temperature, "seed": seed, "results": sampled} if sampled else None,
     }
-    output = Path(output) if output else latest.parent / "eval.json"
     output.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {output}")
     return report

@@ -9,12 +9,13 @@ captures features through the same packed target path as training.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from nemo_automodel_ext.recipes.data_checks import is_local_chat_file, read_chat_samples
 
 
 @dataclass(frozen=True)
@@ -105,25 +106,23 @@ def read_eval_sequences(path: str | Path, tokenizer, limit: int | None = None) -
         ValueError: naming the file and line for malformed JSON, a sample without ``messages``,
             a last message that is not the assistant's, or a prompt that renders empty.
     """
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a folder; pass a JSON or JSONL file of conversations")
+    if not is_local_chat_file(path):
+        raise ValueError(f"{path} does not exist (or is not a local JSON/JSONL file)")
     sequences = []
-    with open(path) as handle:
-        for number, line in enumerate(handle, start=1):
-            if limit is not None and len(sequences) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                sample = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}, column {error.colno})") from None
-            messages = sample.get("messages") if isinstance(sample, dict) else None
-            if not messages or not isinstance(messages, list) or messages[-1].get("role") != "assistant":
-                raise ValueError(f"{path}:{number}: needs a 'messages' list ending with an assistant turn")
-            try:
-                full, prompt = encode_conversation(tokenizer, messages)
-            except ValueError as error:
-                raise ValueError(f"{path}:{number}: {error}") from None
-            sequences.append(EvalSequence(tuple(full[:prompt]), tuple(full[prompt:])))
+    for where, messages in read_chat_samples(path):
+        if limit is not None and len(sequences) >= limit:
+            break
+        if messages[-1].get("role") != "assistant":
+            raise ValueError(f"{where}: needs a 'messages' list ending with an assistant turn")
+        try:
+            full, prompt = encode_conversation(tokenizer, messages)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        except Exception as error:  # the chat template's own refusal (jinja2), as the training check reports it
+            raise ValueError(f"{where}: the chat template rejects this conversation ({error})") from None
+        sequences.append(EvalSequence(tuple(full[:prompt]), tuple(full[prompt:])))
     return sequences
 
 

@@ -113,3 +113,106 @@ def test_bad_input_is_named(run_dir, tmp_path, capsys, change, fragment):
         _write_checkpoint(path, "epoch_0_step_1", state, meta, config)
     assert main([str(path)]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def _copy_run(run: Path, destination: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run / "checkpoints" / "epoch_0_step_120", destination / "checkpoints" / "epoch_0_step_120")
+    return destination
+
+
+def test_the_evaluator_reads_the_effective_config_and_the_launch_folder(run_dir, tmp_path, monkeypatch, capsys):
+    """A run launched with an override and relative paths, evaluated from another folder (items 2, 3)."""
+    run, config, _, _ = run_dir
+    launch = tmp_path / "launch"
+    (launch / "data").mkdir(parents=True)
+    lines = (run / "val.jsonl").read_text().splitlines()
+    (launch / "data" / "five.jsonl").write_text("\n".join(lines[:5]) + "\n")
+    (launch / "target").symlink_to(run / "target")
+    copy = _copy_run(run, launch / "run")
+    checkpoint = copy / "checkpoints" / "epoch_0_step_120"
+    effective = json.loads(json.dumps(config))
+    effective["recipe_args"].update(target_model_name_or_path="target", val_data_path="data/five.jsonl")
+    (checkpoint / "run_config.yaml").write_text(yaml.safe_dump(effective))  # YAML + the override
+    (checkpoint / "run.json").write_text(json.dumps({"launch_dir": str(launch)}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(copy), "--checkpoint", "epoch_0_step_120", "--output", "eval.json"]) == 0
+    report = json.loads((elsewhere / "eval.json").read_text())
+    assert report["prompts"] == 5 and report["data"] == str(launch / "data" / "five.jsonl")
+
+
+def test_checkpoints_kept_outside_the_run_folder_are_found(run_dir, tmp_path, capsys):
+    run, _, _, _ = run_dir
+    store = _copy_run(run, tmp_path / "store")
+    output = tmp_path / "output"
+    output.mkdir()
+    (output / "run.json").write_text(
+        json.dumps({"launch_dir": str(tmp_path), "checkpoint_dir": str(store / "checkpoints")})
+    )
+    assert main([str(output), "--limit", "2", "--output", str(tmp_path / "eval.json")]) == 0
+
+
+def test_two_checkpoints_of_the_same_name_get_two_rows(run_dir, tmp_path, capsys):
+    run, _, _, _ = run_dir
+    other = _copy_run(run, tmp_path / "second_run")
+    checkpoints = [str(run / "checkpoints" / "epoch_0_step_120"), str(other / "checkpoints" / "epoch_0_step_120")]
+    assert (
+        main(
+            [
+                str(run),
+                "--limit",
+                "2",
+                "--output",
+                str(tmp_path / "e.json"),
+                *sum([["--checkpoint", c] for c in checkpoints], []),
+            ]
+        )
+        == 0
+    )
+    rows = json.loads((tmp_path / "e.json").read_text())["greedy"]
+    assert len(rows) == 3, rows.keys()
+
+
+@pytest.mark.parametrize(
+    "case,fragment",
+    [
+        ("truncated", "cannot read the draft weights"),
+        ("temperature", "--temperature must be >= 0"),
+        ("limit", "--limit must be at least 1"),
+        ("data_dir", "is a folder"),
+        ("output", "does not exist"),
+        ("device", "no CUDA device"),
+        ("bad_prompt", "every message must be an object"),
+        ("checkpoint_name", "--checkpoint epoch_9_step_9: neither a folder nor a checkpoint"),
+    ],
+)
+def test_evaluation_options_and_files_are_refused_in_one_line(run_dir, tmp_path, capsys, case, fragment):
+    """Each is refused before any draft is evaluated, as one ``error:`` line (item 11)."""
+    if case == "device" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    run, _, _, _ = run_dir
+    path = run
+    args = ["--output", str(tmp_path / "eval.json")]
+    if case == "truncated":
+        path = _copy_run(run, tmp_path / "copy")
+        weights = path / "checkpoints" / "epoch_0_step_120" / "model" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:200])
+    extra = {
+        "truncated": [],
+        "temperature": ["--temperature", "-1"],
+        "limit": ["--limit", "0"],
+        "data_dir": ["--data", str(tmp_path)],
+        "output": ["--output", str(tmp_path / "missing" / "eval.json")],
+        "device": ["--device", "cuda"],
+        "bad_prompt": ["--data", str(tmp_path / "bad.jsonl")],
+        "checkpoint_name": ["--checkpoint", "epoch_9_step_9"],
+    }[case]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": ["please copy alpha"]}) + "\n")
+    assert main([str(path), *args, *extra]) == 2
+    captured = capsys.readouterr()
+    error = captured.err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: ") and fragment in error[0], captured.err
+    assert "untrained (init)" not in captured.out  # refused before anything was evaluated
