@@ -64,6 +64,7 @@ MARKOV_HEAD_TYPES = ("vanilla",)  # the released V4.1 draft's head (upstream ref
 #: Integer keys and their smallest allowed value (None also allowed where the default is None).
 INTEGER_KEYS = {
     "seq_length": 1,
+    "packed_sequence_size": 0,
     "micro_batch_size": 1,
     "num_workers": 0,
     "num_epochs": 1,
@@ -81,6 +82,15 @@ INTEGER_KEYS = {
     "shuffle_seed": 0,
 }
 LOSS_WEIGHTS = ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha")
+#: Choice keys and their allowed values (upstream's BackendConfig names).
+CHOICES = {
+    "target_dispatcher": ("torch", "deepep", "hybridep", "uccl_ep", "mok"),
+    "target_experts": ("torch", "torch_mm", "te", "gmm", "torch_mm_mxfp8"),
+    "target_attn_backend": ("eager", "sdpa", "tilelang", "te", "flex", "torch"),
+    "draft_attn_backend": ("eager", "sdpa", "flex", "te", "torch"),
+}
+#: Seeds feed numpy (StatefulRNG seeds it with shuffle_seed + dp rank), which takes 32-bit seeds.
+MAX_SEED = 2**32 - 1
 
 
 def section_get(section: Any, key: str, default: Any = None) -> Any:
@@ -194,6 +204,24 @@ def _validate_numbers(args: dict[str, Any]) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"recipe_args.{key} must be a finite number >= 0, got {value!r}")
+    if args["max_grad_norm"] == 0:
+        raise ValueError(
+            "recipe_args.max_grad_norm=0 clips every gradient to zero, so nothing would train; set a positive norm, "
+            "or null to switch clipping off (upstream's convention)"
+        )
+    if args["shuffle_seed"] > MAX_SEED:
+        raise ValueError(
+            f"recipe_args.shuffle_seed must be at most {MAX_SEED} (a 32-bit seed), got {args['shuffle_seed']}"
+        )
+    for key, allowed in CHOICES.items():
+        if args[key] not in allowed:
+            raise ValueError(f"recipe_args.{key} must be one of {allowed}, got {args[key]!r}")
+    for key in ("chat_template", "train_split", "val_split"):
+        if args[key] is not None and not isinstance(args[key], str):
+            raise ValueError(f"recipe_args.{key} must be a string (or null), got {args[key]!r}")
+    for key in ("target_model_name_or_path", "train_data_path", "output_dir", "val_data_path", "tiny_assets_dir"):
+        if args[key] is not None and not (isinstance(args[key], str) and args[key]):
+            raise ValueError(f"recipe_args.{key} must be a path string, got {args[key]!r}")
     if args["ce_loss_alpha"] == 0 and args["l1_loss_alpha"] == 0:
         raise ValueError("recipe_args.ce_loss_alpha and l1_loss_alpha are both 0: the draft would learn nothing")
     if args["markov_head_type"] not in MARKOV_HEAD_TYPES:
@@ -202,9 +230,11 @@ def _validate_numbers(args: dict[str, Any]) -> None:
         )
     layers = args["target_layer_ids"]
     if layers is not None:
-        layers = list(layers)
+        layers = list(layers) if isinstance(layers, (list, tuple)) else None
         if not layers or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers):
-            raise ValueError(f"recipe_args.target_layer_ids must be a non-empty list of integers, got {layers!r}")
+            raise ValueError(
+                f"recipe_args.target_layer_ids must be a non-empty list of integers, got {args['target_layer_ids']!r}"
+            )
         if any(later <= earlier for earlier, later in zip(layers, layers[1:])) or layers[0] < 0:
             raise ValueError(f"recipe_args.target_layer_ids must be strictly increasing layer ids >= 0, got {layers}")
 

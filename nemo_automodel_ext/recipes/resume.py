@@ -1,10 +1,14 @@
-"""Exact mid-epoch resume: a dataloader that starts where the restored checkpoint left its epoch."""
+"""Exact mid-epoch resume (a dataloader that starts where the restored checkpoint left its epoch), and
+which checkpoint a failed run can safely resume from (``resume_advice``)."""
 
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 
 class ResumedEpochLoader:
@@ -48,4 +52,66 @@ class ResumedEpochLoader:
         return itertools.islice(iterator, skip, None)
 
 
-__all__ = ["ResumedEpochLoader"]
+def _step_of(checkpoint: Path) -> int:
+    match = re.fullmatch(r"epoch_\d+_step_(\d+)", checkpoint.name)
+    return int(match.group(1)) if match else -1
+
+
+def weights_are_finite(checkpoint: Path) -> bool:
+    """Whether every tensor of a checkpoint's draft weights (``model/**/*.safetensors``) is finite."""
+    files = sorted((checkpoint / "model").rglob("*.safetensors"))
+    if not files:
+        return False
+    for file in files:
+        try:
+            if not all(bool(torch.isfinite(tensor).all()) for tensor in load_file(file).values()):
+                return False
+        except Exception:  # unreadable: not a checkpoint to resume from
+            return False
+    return True
+
+
+def resume_advice(checkpoint_dir: str | Path | None, failed_step: int) -> str:
+    """Which checkpoint a run that hit a non-finite loss at ``failed_step`` can safely resume from.
+
+    The weights that gave the non-finite loss are those after step ``failed_step - 1``; a
+    checkpoint of that step holds them, so resuming from it (LATEST, when checkpoints are
+    saved every step) repeats the failure. The advice names LATEST, whether it holds those
+    weights or non-finite ones, and the newest earlier checkpoint whose weights are finite.
+
+    Args:
+        checkpoint_dir: ``checkpoint.checkpoint_dir`` of the run (None: checkpointing off).
+        failed_step: The optimizer step whose loss was non-finite (1-based).
+
+    Returns:
+        One sentence for the refusal message.
+    """
+    from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
+
+    root = Path(checkpoint_dir) if checkpoint_dir else None
+    found = sorted(
+        (path for path in (root.glob("epoch_*_step_*") if root and root.is_dir() else []) if _step_of(path) >= 0),
+        key=_step_of,
+        reverse=True,
+    )
+    complete = [path for path in found if not is_checkpoint_incomplete(path)]
+    if not complete:
+        return "no checkpoint was saved yet: lower optimizer.lr (or check the data) and start again"
+    latest = complete[0]
+    if _step_of(latest) >= failed_step - 1:
+        state = "holds the weights that gave this loss" if weights_are_finite(latest) else "holds non-finite weights"
+        verdict = f"LATEST ({latest.name}) {state}, so resuming from it repeats this failure"
+    else:
+        verdict = f"LATEST ({latest.name}) predates this step and its weights are " + (
+            "finite" if weights_are_finite(latest) else "NOT finite"
+        )
+    safe = next((path for path in complete if _step_of(path) < failed_step - 1 and weights_are_finite(path)), None)
+    if safe is None:
+        return f"{verdict}; no earlier checkpoint has finite weights: lower optimizer.lr and start again"
+    return (
+        f"{verdict}; lower optimizer.lr and resume with checkpoint.restore_from={safe} "
+        "(the last finite checkpoint before it)"
+    )
+
+
+__all__ = ["ResumedEpochLoader", "resume_advice", "weights_are_finite"]

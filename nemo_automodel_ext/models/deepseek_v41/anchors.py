@@ -31,8 +31,8 @@ def select_packed_anchors(
 ) -> torch.Tensor:
     """Choose the anchors of packed rows: up to ``per_document`` per document, uniformly.
 
-    Draws ``torch.rand(batch, row - 1)`` once from the default generator, so ranks with the
-    same RNG state choose the same anchors.
+    Draws ``torch.rand(batch, row - 1)`` from the default generator (twice with ``max_per_row``),
+    so ranks with the same RNG state choose the same anchors.
 
     Args:
         loss_mask: Supervision mask [batch, row].
@@ -40,7 +40,8 @@ def select_packed_anchors(
         seq_lens: Document lengths [batch, documents]; 0 and -1000 mark absent documents.
         per_document: Anchors each document may get (positive).
         max_per_row: Optional cap on a row's anchors; when it binds, a uniform subset of the
-            chosen anchors is kept.
+            chosen anchors is kept (an independent draw: every chosen anchor, of a short or a
+            long document, is kept with the same probability).
 
     Returns:
         New boolean tensor [batch, row - 1]: True at chosen anchor columns.
@@ -62,8 +63,11 @@ def select_packed_anchors(
     rank = columns - columns.where(starts, 0).cummax(dim=1).values
     chosen = torch.zeros_like(valid).scatter_(1, order, (rank < per_document) & (sorted_group < documents))
     if max_per_row is not None:
-        by_noise = chosen.gather(1, noise_order)
-        chosen = torch.zeros_like(valid).scatter_(1, noise_order, by_noise & (by_noise.cumsum(dim=1) <= max_per_row))
+        # A second, independent draw: the first one ranked each document's candidates, so a long
+        # document's chosen anchors hold its smallest values and would crowd out a short one's.
+        cap_order = torch.rand(batch, candidates, device=device).argsort(dim=1)
+        by_noise = chosen.gather(1, cap_order)
+        chosen = torch.zeros_like(valid).scatter_(1, cap_order, by_noise & (by_noise.cumsum(dim=1) <= max_per_row))
     return chosen
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from nemo_automodel.components.speculative.dspark.common import build_anchor_candidate_mask
 
@@ -73,3 +74,29 @@ def test_block_supervision_stops_at_the_document_end():
     labels, safe, mask = block_supervision(anchors, keep, torch.ones(1, 24), 4, remaining)
     assert labels[0, 0].tolist() == [4, 5, 6, 7] and safe[0, 2].tolist() == [0, 0, 0, 0]
     assert mask.tolist() == [[[True, True, False, False], [True, True, False, False], [False] * 4]]
+
+
+def _row(lengths):
+    """A packed row of fully supervised documents: (loss_mask, doc_remaining, seq_lens)."""
+    remaining = torch.cat([torch.arange(length - 1, -1, -1) for length in lengths]).unsqueeze(0)
+    return torch.ones_like(remaining), remaining, torch.tensor([lengths])
+
+
+@pytest.mark.parametrize(
+    "lengths,per_document,cap,expected",
+    [([100, 2], 1, 1, [0.5, 0.5]), ([60, 8, 8, 8], 4, 8, [2.0, 2.0, 2.0, 2.0])],
+)
+def test_row_cap_keeps_a_uniform_subset_of_the_chosen_anchors(lengths, per_document, cap, expected):
+    """Every chosen anchor survives the cap equally often: no document starves (issue 17 item 5)."""
+    loss_mask, remaining, seq_lens = _row(lengths)
+    starts = torch.tensor([0, *lengths]).cumsum(0)
+    torch.manual_seed(0)
+    trials = 4000
+    totals = torch.zeros(len(lengths))
+    for _ in range(trials):
+        chosen = select_packed_anchors(loss_mask, remaining, seq_lens, per_document, cap)[0]
+        assert int(chosen.sum()) == cap
+        totals += torch.stack([chosen[starts[i] : starts[i + 1]].sum() for i in range(len(lengths))]).float()
+    means = totals / trials
+    # Binomial-like spread: 5 standard errors of a per-document count in [0, per_document].
+    assert torch.allclose(means, torch.tensor(expected), atol=5 * per_document / trials**0.5), means
