@@ -25,7 +25,8 @@ def torchrun_command(config: str, overrides: list[str], nproc_per_node: int | st
         config: Recipe YAML.
         overrides: ``--section.key=value`` overrides.
         nproc_per_node: Local worker processes.
-        entry: What torchrun runs: ``["-m", module]`` or ``[script]``.
+        entry: What torchrun runs: ``["-m", module]`` or ``[script]``; by default the framework CLI
+            with the plugin's warning filters (``framework_cli.py``).
     """
     return [
         sys.executable,
@@ -34,7 +35,7 @@ def torchrun_command(config: str, overrides: list[str], nproc_per_node: int | st
         "--standalone",
         "--nproc-per-node",
         str(nproc_per_node),
-        *(entry or ["-m", "nemo_automodel.cli.app"]),
+        *(entry or ["-m", "nemo_automodel_ext.framework_cli"]),
         str(config),
         *overrides,
     ]

@@ -60,6 +60,7 @@ from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41Packe
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_alignment
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
+from nemo_automodel_ext.quiet import quiet_sglang_warning
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
 from nemo_automodel_ext.recipes.builders import (
     build_packed_draft,
@@ -67,6 +68,7 @@ from nemo_automodel_ext.recipes.builders import (
     check_target_contract,
     frozen_target_setup,
     load_local_target,
+    require_target_path,
     require_v41_checkpoint,
 )
 from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
@@ -75,7 +77,8 @@ from nemo_automodel_ext.recipes.parallel import draft_mesh, parallelize_draft
 from nemo_automodel_ext.recipes.plots import plot_training_curves
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
-from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
+from nemo_automodel_ext.recipes.resume import ResumedEpochLoader, resume_advice
+from nemo_automodel_ext.recipes.run_record import save_run_pointer, save_run_record
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
 
 logger = logging.getLogger(__name__)
@@ -105,6 +108,9 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         if args["tiny_assets_dir"] is not None:
             self._prepare_tiny_assets(args["tiny_assets_dir"])
         target_path = str(args["target_model_name_or_path"])
+        require_target_path(target_path, str(args["target_builder"]))
+        if args["target_builder"] == "local":
+            quiet_sglang_warning()  # a local (demo/test) target is never served on SGLang
         require_v41_checkpoint(target_path, bool(args["trust_remote_code"]))
         check_target_contract(target_path, args)
         if args["target_builder"] == "automodel" and self.device.type == "cuda":
@@ -198,6 +204,8 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self.save_checkpoint_every_epoch = bool(args["save_checkpoint_every_epoch"])
         self.output_dir = pathlib.Path(args["output_dir"])
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist_env.is_main:
+            save_run_pointer(self.output_dir, section_get(self.cfg.get("checkpoint", None), "checkpoint_dir", None))
         self.defer_fsdp_grad_sync = True
         batches = len(self.train_dataloader)
         self.total_optim_steps = max(1, self.num_epochs * optim_steps_per_epoch(batches, self.grad_accumulation_steps))
@@ -393,11 +401,13 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         stats = torch.cat([torch.tensor([int(batch["attention_mask"].sum()), checksum]), nonfinite])
         tokens, checksum, bad_ranks = self._dp_allreduce(stats).tolist()
         if bad_ranks:
+            step = self.runtime.global_step + 1
             raise FloatingPointError(
-                f"non-finite DSpark loss at optimizer step {self.runtime.global_step + 1} (epoch {self._epoch}) on "
-                f"{bad_ranks} data-parallel rank(s); stopped before its backward, so no checkpoint holds non-finite "
-                "weights. Check the data and the target's captured features, or lower optimizer.lr; resume with "
-                "checkpoint.restore_from: LATEST"
+                f"non-finite DSpark loss at optimizer step {step} (epoch {self._epoch}) on {bad_ranks} data-parallel "
+                "rank(s); stopped before its backward. Check the data and the target's captured features. "
+                + resume_advice(
+                    self.checkpoint_config.checkpoint_dir if self.checkpointer.config.enabled else None, step
+                )
             )
         self._tokens_seen += int(tokens)
         self._data_checksum = (self._data_checksum + int(checksum)) % 2**61
@@ -436,8 +446,10 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         )
 
     def _save_extra_state(self, path: str, epoch: int) -> None:
-        """Upstream's DSpark meta, plus the token and data-checksum counters (``progress_meta.pt``)."""
+        """Upstream's DSpark meta, the token and data-checksum counters (``progress_meta.pt``) and the
+        run's effective config and launch folder (``run_record.py``)."""
         super()._save_extra_state(path, epoch)
+        save_run_record(self.cfg, path)
         torch.save(
             {"tokens_seen": self._tokens_seen, "data_checksum": self._data_checksum},
             pathlib.Path(path) / "progress_meta.pt",

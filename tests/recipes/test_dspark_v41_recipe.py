@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from nemo_automodel.components.config.loader import load_yaml_config
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from progress_bound import run_until_stalled
 
 from nemo_automodel_ext.launch import torchrun_command
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
@@ -122,6 +122,16 @@ def _tiny_cfg():
         ("recipe_args.markov_head_type", "gated", 1, "cpu", "markov_head_type must be one of"),
         ("recipe_args.target_layer_ids", [3, 1, 5], 1, "cpu", "target_layer_ids must be strictly increasing"),
         ("recipe_args.target_layer_ids", [1, 1], 1, "cpu", "target_layer_ids must be strictly increasing"),
+        ("recipe_args.max_grad_norm", 0, 1, "cpu", "max_grad_norm=0 clips every gradient to zero"),
+        ("recipe_args.packed_sequence_size", "abc", 1, "cpu", "packed_sequence_size must be an integer >= 0"),
+        ("recipe_args.packed_sequence_size", [64], 1, "cpu", "packed_sequence_size must be an integer >= 0"),
+        ("recipe_args.packed_sequence_size", 64.7, 1, "cpu", "packed_sequence_size must be an integer >= 0"),
+        ("recipe_args.packed_sequence_size", True, 1, "cpu", "packed_sequence_size must be an integer >= 0"),
+        ("recipe_args.target_layer_ids", 5, 1, "cpu", "target_layer_ids must be a non-empty list of integers"),
+        ("recipe_args.target_dispatcher", "bogus", 1, "cpu", "target_dispatcher must be one of"),
+        ("recipe_args.target_experts", "bogus", 1, "cpu", "target_experts must be one of"),
+        ("recipe_args.chat_template", 123, 1, "cpu", "chat_template must be a string"),
+        ("recipe_args.shuffle_seed", 2**64, 1, "cpu", "shuffle_seed must be at most 4294967295"),
     ],
 )
 def test_invalid_configs_say_what_to_fix(key, value, world, device, fragment):
@@ -196,7 +206,7 @@ def cli_command(*overrides: str, nproc: int = 1) -> list[str]:
     return torchrun_command(REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml", list(overrides), nproc)
 
 
-def run_tiny_recipe(workdir: Path, run: str, *overrides: str, nproc: int = 1, timeout: float = 600) -> str:
+def run_tiny_recipe(workdir: Path, run: str, *overrides: str, nproc: int = 1) -> str:
     """Run the tiny CPU recipe with the framework CLI under torchrun; outputs in ``workdir / run``.
 
     Returns:
@@ -217,7 +227,7 @@ def run_tiny_recipe(workdir: Path, run: str, *overrides: str, nproc: int = 1, ti
         nproc=nproc,
     )
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=workdir)
+    result = run_until_stalled(command, env=env, cwd=workdir)
     if result.returncode != 0:
         pytest.fail(f"tiny recipe failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result.stdout + result.stderr
@@ -290,7 +300,7 @@ def test_bad_yaml_fails_before_writing_anything(tmp_path):
         f"--recipe_args.output_dir={tmp_path / 'run'}",
         "--recipe_args.num_epoch=2",
     )
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = run_until_stalled(command, cwd=tmp_path)
     assert result.returncode != 0
     assert "unknown recipe_args keys: num_epoch (did you mean num_epochs?)" in result.stdout + result.stderr
     assert not (tmp_path / "assets").exists() and not (tmp_path / "run").exists()
@@ -383,9 +393,7 @@ def _launch(workdir: Path, run: str, *overrides: str, nproc: int = 1, env: dict 
         f"--checkpoint.checkpoint_dir={workdir / run / 'checkpoints'}",
         *overrides,
     ]
-    return subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=workdir, env={**os.environ, **(env or {})}
-    )
+    return run_until_stalled(command, cwd=workdir, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.parametrize(
@@ -435,11 +443,10 @@ def test_non_finite_loss_stops_the_run_naming_the_step(uninterrupted):
         ],
         entry=[str(Path(__file__).with_name("inject_nan.py"))],
     )
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, cwd=workdir, env={**os.environ, "NAN_AT_CAPTURE": "4"}
-    )
+    result = run_until_stalled(command, cwd=workdir, env={**os.environ, "NAN_AT_CAPTURE": "4"})
     assert result.returncode != 0
     assert "error: non-finite DSpark loss at optimizer step 4 (epoch 0)" in result.stdout + result.stderr
+    assert "LATEST (epoch_0_step_2) predates this step and its weights are finite" in result.stderr
     checkpoints = sorted(path.name for path in (workdir / "nan" / "checkpoints").glob("epoch_*_step_*"))
     assert checkpoints == ["epoch_0_step_2"]
     from safetensors.torch import load_file
@@ -483,3 +490,16 @@ def test_every_step_is_logged_when_epochs_end_mid_accumulation(uninterrupted):
     assert [(r["step"], r["tokens"], r["data_checksum"]) for r in with_val] == [
         (r["step"], r["tokens"], r["data_checksum"]) for r in records
     ]
+
+
+def test_a_target_path_that_names_nothing_is_refused_in_one_line(tmp_path):
+    from nemo_automodel_ext.recipes.builders import require_target_path
+
+    with pytest.raises(ValueError, match="target_model_name_or_path=.*nowhere/target does not exist"):
+        require_target_path(str(tmp_path / "nowhere" / "target"), "local")
+    with pytest.raises(ValueError, match="does not exist"):
+        require_target_path("outputs/missing/target", "automodel")  # three parts: not a hub id
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        require_target_path(str(tmp_path / "empty"), "local")
+    require_target_path("deepseek-ai/DeepSeek-V4.1-Flash", "automodel")  # a hub id: left to the loader

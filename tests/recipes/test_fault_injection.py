@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from nemo_automodel.components.checkpoint.utils import is_checkpoint_incomplete
+from progress_bound import run_until_stalled
 
 from nemo_automodel_ext.launch import torchrun_command
 
@@ -60,7 +60,7 @@ def _run(workdir: Path, run: str, *extra: str, kill: tuple[str, int] | None = No
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if kill:
         env.update(KILL_POINT=kill[0], KILL_AT=str(kill[1]))
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=workdir, env=env)
+    return run_until_stalled(command, cwd=workdir, env=env)
 
 
 def _train_records(run_dir: Path) -> list[dict]:
