@@ -30,7 +30,10 @@ def assert_documents_match_alone(wrapper, batch, input_ids: torch.Tensor, seq_le
     checked = 0
     for row, start, length in present_documents(seq_lens):
         tokens = input_ids[row : row + 1, start : start + length]
-        alone = wrapper.generate_batch(tokens, torch.ones_like(tokens), torch.ones_like(tokens))
+        # Alone: its own packed forward, one document (the packed path's indexer selection; unpacked
+        # batches keep upstream's forward, whose top-k ties depend on the row width).
+        ones = torch.ones_like(tokens)
+        alone = wrapper.generate_batch(tokens, ones, ones, seq_lens=torch.tensor([[length]]))
         for name in ("target_hidden_states", "target_last_hidden_states"):
             torch.testing.assert_close(
                 getattr(batch, name)[row, start : start + length], getattr(alone, name)[0], atol=1e-5, rtol=0

@@ -34,7 +34,8 @@ def _logits(model, tokens):
 
 def _features(wrapper, committed):
     ids = torch.tensor([committed])
-    return wrapper.generate_batch(ids, torch.ones_like(ids), torch.ones_like(ids)).target_hidden_states
+    ones = torch.ones_like(ids)
+    return wrapper.generate_batch(ids, ones, ones, seq_lens=torch.tensor([[len(committed)]])).target_hidden_states
 
 
 def _stop(tokens, generated, max_new, eos):
