@@ -22,7 +22,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_gloo(script: Path, *args: str, world_size: int = 2, timeout: float = 1800) -> None:
+def run_gloo(script: Path, *args: str, world_size: int = 2, timeout: float = 900) -> None:
     """Run ``script`` as ``world_size`` gloo ranks on 127.0.0.1 and fail with their output if any rank fails."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS), env.get("PYTHONPATH")]))

@@ -15,7 +15,9 @@ def present_documents(seq_lens: torch.Tensor):
                 start += length
 
 
-def assert_documents_match_alone(wrapper, batch, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> int:
+def assert_documents_match_alone(
+    wrapper, batch, input_ids: torch.Tensor, seq_lens: torch.Tensor, alone_wrapper=None
+) -> int:
     """Every document's packed captures equal the captures of that document run alone (fp32, 1e-5).
 
     Args:
@@ -23,6 +25,9 @@ def assert_documents_match_alone(wrapper, batch, input_ids: torch.Tensor, seq_le
         batch: ``DSparkTargetBatch`` of the packed run.
         input_ids: Packed token IDs [batch, sequence].
         seq_lens: Document lengths [batch, documents].
+        alone_wrapper: Wrapper that runs each document alone (default ``wrapper``); under a
+            rank-synchronised (HybridEP) target, one that does not sync, since ranks hold different
+            numbers of documents.
 
     Returns:
         Number of documents checked.
@@ -33,7 +38,7 @@ def assert_documents_match_alone(wrapper, batch, input_ids: torch.Tensor, seq_le
         # Alone: its own packed forward, one document (the packed path's indexer selection; unpacked
         # batches keep upstream's forward, whose top-k ties depend on the row width).
         ones = torch.ones_like(tokens)
-        alone = wrapper.generate_batch(tokens, ones, ones, seq_lens=torch.tensor([[length]]))
+        alone = (alone_wrapper or wrapper).generate_batch(tokens, ones, ones, seq_lens=torch.tensor([[length]]))
         for name in ("target_hidden_states", "target_last_hidden_states"):
             torch.testing.assert_close(
                 getattr(batch, name)[row, start : start + length], getattr(alone, name)[0], atol=1e-5, rtol=0

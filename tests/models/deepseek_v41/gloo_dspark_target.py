@@ -66,7 +66,11 @@ def scenario_forward(rank: int) -> None:
     widths = gather_widths(layout.source_indices.shape[1])
     assert widths[0] == widths[1] == 16, widths
     batch = wrapper.generate_batch(input_ids, torch.ones_like(input_ids), torch.ones_like(input_ids), seq_lens=seq_lens)
-    assert assert_documents_match_alone(wrapper, batch, input_ids, seq_lens) == int((seq_lens > 0).sum())
+    # Each document alone on the same weights without the rank sync (ranks hold different documents).
+    alone = build_tiny_target(seed=0)
+    alone_wrapper = DeepseekV41DSparkTargetModel(alone, alone.config.text_config.dspark_target_layer_ids)
+    checked = assert_documents_match_alone(wrapper, batch, input_ids, seq_lens, alone_wrapper)
+    assert checked == int((seq_lens > 0).sum())
 
 
 def main() -> None:
