@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from nemo_automodel.components.config.loader import load_yaml_config
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -277,6 +278,14 @@ def test_tiny_cpu_run_learns_logs_and_checkpoints(uninterrupted):
         f"epoch_1_step_{len(metrics)}",
     ]
     assert all(list((path / "model").glob("*.safetensors")) for path in checkpoints)
+    # Each checkpoint records the effective config (the command line's overrides) and the launch folder,
+    # and the output folder points at the checkpoints (what the evaluator reads).
+    effective = yaml.safe_load((checkpoints[0] / "run_config.yaml").read_text())
+    assert effective["recipe_args"]["num_epochs"] == 1  # the YAML says 4; the run was launched with 1
+    assert yaml.safe_load((checkpoints[0] / "config.yaml").read_text())["recipe_args"]["num_epochs"] == 4
+    assert json.loads((checkpoints[0] / "run.json").read_text())["launch_dir"] == str(workdir)
+    pointer = json.loads((workdir / "full" / "run.json").read_text())
+    assert pointer["checkpoint_dir"] == str(workdir / "full" / "checkpoints")
 
 
 def test_resume_matches_the_uninterrupted_run_step_for_step(uninterrupted):

@@ -13,7 +13,6 @@ from nemo_automodel.components.models.deepseek_v41 import attention as upstream_
 from nemo_automodel_ext.models.deepseek_v41.selection import (
     SegmentedSelectionIndexer,
     install_segmented_selection,
-    segmented_select,
     stable_topk_indices,
 )
 
@@ -68,16 +67,8 @@ def upstream_select(scores, ids, state, layer):
 
 
 def ours(scores, ids, state, layer):
-    return segmented_select(
-        scores,
-        ids,
-        state,
-        topk=layer.topk,
-        is_candidate_source=layer.is_candidate_source,
-        uses_candidates=layer.uses_candidates,
-        candidate_topk_blocks=layer.candidate_topk_blocks,
-        candidate_block_size=layer.candidate_block_size,
-    )
+    """The plugin's indexer method, on the same layer settings as upstream's."""
+    return SegmentedSelectionIndexer._select_packed(layer, scores, ids, state)
 
 
 def assert_same_selection(expected, got):
