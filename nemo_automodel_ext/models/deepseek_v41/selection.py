@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from nemo_automodel.components.models.deepseek_v41 import attention as upstream_attention
 
 _INT32_MAGNITUDE = 0x7FFFFFFF
+#: Score elements ranked at once (queries are processed in chunks of rows): int64 keys of about 256 MiB.
+CHUNK_ELEMENTS = 1 << 25
 
 
 def tie_broken_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -129,34 +131,77 @@ def segmented_select(
     Raises:
         ValueError: when ``uses_candidates`` and the state holds no candidates of ``scores``' shape.
     """
-    width = scores.shape[-1]
-    candidates = state.candidates
-    if uses_candidates and (candidates is None or candidates.shape != scores.shape):
+    batch, queries, width = scores.shape
+    if uses_candidates and (state.candidates is None or state.candidates.shape != scores.shape):
         raise ValueError("A hierarchical Reindex layer requires candidates from its source layer")
-    finite = torch.isfinite(scores)
+    blocks = None
     if is_candidate_source:
-        blocks, count = document_key_blocks(state.compressed_seq_ids, state.compressed_valid, candidate_block_size)
+        blocks = document_key_blocks(state.compressed_seq_ids, state.compressed_valid, candidate_block_size)[0]
+    k = min(topk, width)
+    # Query rows in chunks: the int64 ranking keys stay near CHUNK_ELEMENTS whatever the row width.
+    rows = max(1, CHUNK_ELEMENTS // max(batch * width, 1))
+    parts = [
+        _select_rows(
+            scores[:, begin : begin + rows],
+            state.candidates[:, begin : begin + rows] if uses_candidates else None,
+            blocks,
+            k,
+            candidate_topk_blocks,
+        )
+        for begin in range(0, queries, rows)
+    ]
+    indices = torch.cat([part[0] for part in parts], dim=1) if parts else scores.new_zeros(batch, 0, k).long()
+    candidates = state.candidates
+    if is_candidate_source:
+        candidates = (
+            torch.cat([part[1] for part in parts], dim=1) if parts else torch.zeros_like(scores, dtype=torch.bool)
+        )
+    return replace(state, topk_indices=indices, candidates=candidates)
+
+
+def _select_rows(
+    scores: torch.Tensor,
+    candidates: torch.Tensor | None,
+    blocks: torch.Tensor | None,
+    k: int,
+    candidate_topk_blocks: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``segmented_select`` for a chunk of query rows.
+
+    Args:
+        scores: Scores [batch, rows, width]. Not modified.
+        candidates: An earlier layer's candidates [batch, rows, width] (a user layer), else None.
+        blocks: ``document_key_blocks`` ids [batch, width] (a candidate source), else None.
+        k: Keys selected per query.
+        candidate_topk_blocks: Blocks kept per query (candidate source).
+
+    Returns:
+        New ``(indices [batch, rows, k], candidates [batch, rows, width] or None)``.
+    """
+    width = scores.shape[-1]
+    finite = torch.isfinite(scores)
+    chosen_candidates = None
+    if blocks is not None:
+        count = width + 1
         index = blocks.unsqueeze(1).expand_as(scores)
         block_scores = scores.new_full((*scores.shape[:2], count), -torch.inf)
         block_scores = block_scores.scatter_reduce(-1, index, scores, reduce="amax", include_self=True)
         # The query's latest visible key's block is always kept (upstream's last_block).
         latest = finite.long().cumsum(dim=-1).argmax(dim=-1, keepdim=True)  # first column reaching the count
-        latest_block = blocks.unsqueeze(1).expand_as(scores).gather(-1, latest)
+        latest_block = index.gather(-1, latest)
         forced = finite.any(dim=-1, keepdim=True)
         block_scores = block_scores.scatter(-1, latest_block, torch.inf).where(forced, block_scores)
         block_scores[..., count - 1] = -torch.inf
         chosen = stable_topk_indices(block_scores, min(candidate_topk_blocks, count))
         keep = torch.zeros_like(block_scores, dtype=torch.bool)
         keep = keep.scatter(-1, chosen, block_scores.gather(-1, chosen) > -torch.inf)
-        candidates = keep.gather(-1, index) & finite
-    elif uses_candidates:
+        chosen_candidates = keep.gather(-1, index) & finite
+    elif candidates is not None:
         scores = scores.masked_fill(~candidates, -torch.inf)
         finite = finite & candidates
-    k = min(topk, width)
     chosen = stable_topk_indices(scores, k)
     chosen = torch.where(finite.gather(-1, chosen), chosen, width).sort(dim=-1).values
-    indices = chosen.masked_fill(chosen == width, -1)
-    return replace(state, topk_indices=indices, candidates=candidates)
+    return chosen.masked_fill(chosen == width, -1), chosen_candidates
 
 
 class SegmentedSelectionIndexer(upstream_attention._Indexer):

@@ -187,3 +187,18 @@ def test_demo_target_is_prefix_consistent_with_segmented_selection(length):
     short, long = logits(length), logits(length + 1)
     assert (short - long[:, :length]).abs().max() < 1e-3
     assert torch.equal(short.argmax(-1), long[:, :length].argmax(-1))
+
+
+def test_chunks_of_query_rows_select_as_the_whole(monkeypatch):
+    """Chunking bounds the int64 ranking keys; one query row per chunk gives the same result."""
+    from nemo_automodel_ext.models.deepseek_v41 import selection
+
+    scores, ids, state = packed_scores([9, 3, 14, 1, 6], 2, [0, 1, 0, 2, 0], 11)
+    for layer in (settings_of(3, True, False), settings_of(3, False, False)):
+        whole = ours(scores, ids, state, layer)
+        monkeypatch.setattr(selection, "CHUNK_ELEMENTS", scores.shape[-1])  # one row per chunk
+        rows = ours(scores, ids, state, layer)
+        monkeypatch.undo()
+        assert torch.equal(rows.topk_indices, whole.topk_indices)
+        if layer.is_candidate_source:
+            assert torch.equal(rows.candidates, whole.candidates)
