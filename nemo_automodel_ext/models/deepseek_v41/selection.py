@@ -14,7 +14,8 @@ document's visible keys (scores outside the document are already ``-inf``, so a 
 selection *is* the per-document one), candidate blocks counted from each document's first
 compressed key, ``-1`` fill. Ties are broken by the lower compressed index, so a query's selection
 depends only on the scores it can see, never on the row width: the forward is prefix-consistent.
-On tie-free scores (what real scores give) the selected index sets equal upstream's.
+On tie-free scores (what real scores give) the selected index sets equal upstream's. Query rows are
+ranked in chunks (``CHUNK_ELEMENTS``), so the int64 ranking keys stay bounded whatever the row width.
 
 ``install_segmented_selection(model)`` swaps the class of each indexer instance of a built target
 for ``SegmentedSelectionIndexer`` (the subclass only replaces ``_select_packed``); it is called
