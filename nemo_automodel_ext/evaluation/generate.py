@@ -1,6 +1,7 @@
 """Greedy continuations of a V4.1 target, for data regeneration and acceptance evaluation.
 
-The V4.1 training model has no KV cache, so every step re-runs the rows; prompts of one length
+The V4.1 training model has no KV cache, so every step re-runs the rows (``causal_logits``: the packed
+path, prefix-consistent, as the capture and the replay see the target); prompts of one length
 decode together in lockstep, so no row needs padding. Meant for small targets (the tiny recipe,
 tests); a Flash-sized target regenerates its data through a serving engine (``docs/recipes.md``).
 
@@ -55,7 +56,7 @@ def greedy_generate(
     """Decode each prompt greedily with ``model``.
 
     Args:
-        model: ``DeepseekV41ForCausalLM`` (any causal LM whose forward takes ``logits_to_keep``).
+        model: ``DeepseekV41ForCausalLM``, run through the packed path (``causal_logits``).
         prompts: Token ids of each prompt (non-empty).
         max_new_tokens: Most tokens generated per prompt (positive).
         eos_token_id: Generation of a prompt stops after this token (kept); None: never.
