@@ -97,15 +97,22 @@ def resume_advice(checkpoint_dir: str | Path | None, failed_step: int) -> str:
     complete = [path for path in found if not is_checkpoint_incomplete(path)]
     if not complete:
         return "no checkpoint was saved yet: lower optimizer.lr (or check the data) and start again"
+    finite: dict[Path, bool] = {}  # each checkpoint's weights are read once
+
+    def is_finite(path: Path) -> bool:
+        if path not in finite:
+            finite[path] = weights_are_finite(path)
+        return finite[path]
+
     latest = complete[0]
     if _step_of(latest) >= failed_step - 1:
-        state = "holds the weights that gave this loss" if weights_are_finite(latest) else "holds non-finite weights"
+        state = "holds the weights that gave this loss" if is_finite(latest) else "holds non-finite weights"
         verdict = f"LATEST ({latest.name}) {state}, so resuming from it repeats this failure"
     else:
         verdict = f"LATEST ({latest.name}) predates this step and its weights are " + (
-            "finite" if weights_are_finite(latest) else "NOT finite"
+            "finite" if is_finite(latest) else "NOT finite"
         )
-    safe = next((path for path in complete if _step_of(path) < failed_step - 1 and weights_are_finite(path)), None)
+    safe = next((path for path in complete if _step_of(path) < failed_step - 1 and is_finite(path)), None)
     if safe is None:
         return f"{verdict}; no earlier checkpoint has finite weights: lower optimizer.lr and start again"
     return (

@@ -37,7 +37,7 @@ def save_run_record(cfg: Any, checkpoint: str | os.PathLike) -> None:
     checkpoint = Path(checkpoint)
     with open(checkpoint / RUN_CONFIG, "w") as handle:
         yaml.safe_dump(cfg.to_yaml_dict(), handle, sort_keys=False, default_flow_style=False)
-    (checkpoint / RUN_INFO).write_text(json.dumps({"launch_dir": os.getcwd()}) + "\n")
+    save_run_pointer(checkpoint, None)
 
 
 def save_run_pointer(output_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike | None) -> None:

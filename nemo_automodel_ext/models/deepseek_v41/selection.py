@@ -137,7 +137,7 @@ def segmented_select(
         raise ValueError("A hierarchical Reindex layer requires candidates from its source layer")
     blocks = None
     if is_candidate_source:
-        blocks = document_key_blocks(state.compressed_seq_ids, state.compressed_valid, candidate_block_size)[0]
+        blocks = document_key_blocks(state.compressed_seq_ids, state.compressed_valid, candidate_block_size)
     k = min(topk, width)
     # Query rows in chunks: the int64 ranking keys stay near CHUNK_ELEMENTS whatever the row width.
     rows = max(1, CHUNK_ELEMENTS // max(batch * width, 1))
@@ -163,7 +163,7 @@ def segmented_select(
 def _select_rows(
     scores: torch.Tensor,
     candidates: torch.Tensor | None,
-    blocks: torch.Tensor | None,
+    blocks: tuple[torch.Tensor, int] | None,
     k: int,
     candidate_topk_blocks: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -172,7 +172,7 @@ def _select_rows(
     Args:
         scores: Scores [batch, rows, width]. Not modified.
         candidates: An earlier layer's candidates [batch, rows, width] (a user layer), else None.
-        blocks: ``document_key_blocks`` ids [batch, width] (a candidate source), else None.
+        blocks: ``document_key_blocks``' (ids [batch, width], count) for a candidate source, else None.
         k: Keys selected per query.
         candidate_topk_blocks: Blocks kept per query (candidate source).
 
@@ -183,8 +183,8 @@ def _select_rows(
     finite = torch.isfinite(scores)
     chosen_candidates = None
     if blocks is not None:
-        count = width + 1
-        index = blocks.unsqueeze(1).expand_as(scores)
+        ids, count = blocks
+        index = ids.unsqueeze(1).expand_as(scores)
         block_scores = scores.new_full((*scores.shape[:2], count), -torch.inf)
         block_scores = block_scores.scatter_reduce(-1, index, scores, reduce="amax", include_self=True)
         # The query's latest visible key's block is always kept (upstream's last_block).
