@@ -9,7 +9,7 @@ runs) on one row of ``--rows`` tokens split into ``--documents`` equal documents
   document of every row in each indexer layer: ``unique().tolist()``, two ``torch.where`` and a
   top-k per document);
 - **plugin**: ``models/deepseek_v41/selection.py`` (vectorised over documents, installed on the
-  target by ``install_segmented_selection``).
+  target by ``install_packed_indexer``).
 
 Per capture: seconds per 1k tokens (best of ``--repeats``), host reads (ops whose result the host
 must read: ``.item()``/``.tolist()``, ``nonzero``, ``unique``, boolean indexing; counted by
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
-    from nemo_automodel_ext.models.deepseek_v41.selection import install_segmented_selection
+    from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
     from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, tiny_target_config
 
     print(f"torch threads: {torch.get_num_threads()}")
@@ -129,7 +129,7 @@ def main() -> None:
         config = tiny_target_config(**(MID if name == "mid" else {}))
         upstream = build_tiny_target(config=config)
         plugin = copy.deepcopy(upstream)
-        install_segmented_selection(plugin)
+        install_packed_indexer(plugin)
         for row in args.rows:
             baseline: dict[str, dict] = {}
             for documents in args.documents:

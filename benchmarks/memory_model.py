@@ -9,7 +9,8 @@ anchors, strategy) and prints:
    micro-batch;
 2. the per-GPU total for V4.1-Flash rows of 16k, 64k and 128k tokens at CP 1, 2, 4 and 8
    (``*``: fits), CP-native (each rank its shard's features and anchors) next to the
-   all-gathered features and full draft on every rank it replaced.
+   all-gathered features and full draft on every rank it replaced;
+3. one indexer layer's bytes, upstream's whole-row scores against the plugin's bands.
 
 The target config is the recipe's when ``target_model_name_or_path`` is a local folder, else
 upstream's ``DeepseekV41TextConfig`` defaults (the released V4.1-Flash). Nothing is downloaded
@@ -41,7 +42,7 @@ def main() -> None:
 
     from nemo_automodel_ext.recipes.builders import target_text_config
     from nemo_automodel_ext.recipes.config import validate_recipe_config
-    from nemo_automodel_ext.recipes.memory_model import GIB, estimate, layout_from_config, model_counts
+    from nemo_automodel_ext.recipes.memory_model import GIB, estimate, indexer_bytes, layout_from_config, model_counts
 
     recipes = options.recipes or [REPO / "recipes" / "deepseek_v41" / name for name in GPU_RECIPES]
     counted = {}
@@ -81,6 +82,19 @@ def main() -> None:
                     cells.append(f"{case.total / GIB:.1f}{'*' if case.fits else ''}")
                 label = "CP-native halo" if native else "all-gather (before)"
                 print(f"| {row // 1024}k | {label} | " + " | ".join(cells) + " |")
+        ratio = counts.widths["min_ratio"]
+        print("\nOne indexer layer, GiB per GPU: upstream's whole-row scores -> the plugin's bands")
+        print("(`packed_indexer.py`), candidates kept for later layers included; one document a row (the")
+        print("widest bands, what the totals above count) and 256 equal documents a row.\n")
+        print("| row | documents | CP 1 | CP 2 | CP 4 | CP 8 |\n| --- | --- | ---: | ---: | ---: | ---: |")
+        for row in (16384, 65536, 131072):
+            for documents in (1, 256):
+                cells = []
+                for cp in (1, 2, 4, 8):
+                    before = indexer_bytes(layout.rows, row, cp, ratio, banded=False) / GIB
+                    after = indexer_bytes(layout.rows, row, cp, ratio, row // documents) / GIB
+                    cells.append(f"{before:.1f} -> {after:.2f}")
+                print(f"| {row // 1024}k | {documents} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
-from nemo_automodel_ext.models.deepseek_v41.selection import install_segmented_selection
+from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 
 
 @torch.no_grad()
@@ -38,7 +38,7 @@ def causal_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     Returns:
         New logits [batch, sequence, vocab].
     """
-    install_segmented_selection(model)
+    install_packed_indexer(model)
     lengths = torch.full((input_ids.shape[0], 1), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
     layout, inputs = prepare_packed_inputs(model, input_ids, lengths)
     return layout.restore(model(**inputs).logits)

@@ -17,7 +17,7 @@ from nemo_automodel.components.speculative.dspark.target_utils import DEEPSEEK_V
 from safetensors.torch import load_file
 
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
-from nemo_automodel_ext.models.deepseek_v41.selection import install_segmented_selection
+from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
 from nemo_automodel_ext.recipes.config import require_target_reshard, section_get
 from nemo_automodel_ext.registry import resolve_dspark_draft
@@ -152,7 +152,7 @@ def load_local_target(path: str | pathlib.Path, backend, device: torch.device, d
             f"{path}/model.safetensors does not match its config: missing {missing}, unexpected {unexpected}"
         )
     cast_model_to_dtype(model, dtype)
-    install_segmented_selection(model)
+    install_packed_indexer(model)
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_automodel_ext.evaluation.generate import greedy_generate
 from nemo_automodel_ext.evaluation.sequences import encode_conversation
-from nemo_automodel_ext.models.deepseek_v41.selection import install_segmented_selection
+from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, cpu_backend
 from nemo_automodel_ext.recipes.tiny_tasks import build_tokenizer, conversation
 
@@ -55,7 +55,7 @@ def load_demo_target() -> DeepseekV41ForCausalLM:
     weights = resources.files("nemo_automodel_ext.recipes").joinpath(SHIPPED_WEIGHTS)
     with resources.as_file(weights) as path:
         model.load_state_dict(load_file(str(path)), strict=True)
-    install_segmented_selection(model)
+    install_packed_indexer(model)
     return model.float().eval()
 
 

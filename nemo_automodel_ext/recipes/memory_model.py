@@ -205,14 +205,51 @@ def target_activation_bytes_per_token(widths: dict[str, int]) -> float:
     Counted: the HC residual streams (in, out and the layer's branch: 3 x hc_mult x hidden), the
     attention transients (queries and outputs heads x head_dim, the grouped output projection
     o_groups x o_lora_rank), and the MoE transients (top-k dispatched copies in and out, the
-    experts' gate/up [topk, 2 x inter]). Not counted: attention scores and the indexer's top-k
-    scores, which the TileLang kernels compute in tiles.
+    experts' gate/up [topk, 2 x inter]). Not counted: attention scores, which the TileLang kernels
+    compute in tiles; the indexer is ``indexer_bytes``.
     """
     w = widths
     residual = 3 * w["hc_mult"] * w["hidden"]
     attention = 2 * w["heads"] * w["head_dim"] + w["o_groups"] * w["o_lora_rank"]
     moe = 2 * w["topk"] * w["hidden"] + 2 * w["topk"] * w["moe_inter"]
     return BF16 * (residual + max(attention, moe))
+
+
+def indexer_bytes(
+    rows: int, row_tokens: int, cp: int, ratio: int, document_tokens: int | None = None, banded: bool = True
+) -> float:
+    """Peak bytes of one V4.1 indexer layer on packed rows, per GPU.
+
+    Per query-key pair scored at once: BF16 scores and three boolean masks (causal, document, their
+    conjunction ``allowed``), 5 bytes; plus the candidate source's boolean candidates, kept for the
+    later layers (1 byte a pair).
+
+    - upstream (``banded=False``): every local query against every global compressed key at once;
+    - plugin (``packed_indexer.py``): one tile of ``max(MIN_TILE, local / MAX_TILES)`` queries at a
+      time against its band (the keys from the first document the tile touches to its causal end:
+      the tile plus one document, all keys at most), the selection's int64 ranking keys
+      (``selection.CHUNK_ELEMENTS`` at most), and candidates per band.
+
+    Args:
+        rows: Rows of a micro-batch.
+        row_tokens: Tokens of a row.
+        cp: Context-parallel ranks (local queries: ``row_tokens / cp`` a row).
+        ratio: Compression ratio of the indexer's keys (the finest: most keys).
+        document_tokens: Tokens of a document; None: one document fills the row (the widest bands).
+        banded: The plugin's banded indexer (True) or upstream's whole-row one.
+
+    Returns:
+        Bytes.
+    """
+    from nemo_automodel_ext.models.deepseek_v41.packed_indexer import MAX_TILES, MIN_TILE
+    from nemo_automodel_ext.models.deepseek_v41.selection import CHUNK_ELEMENTS
+
+    local, keys = row_tokens / cp, row_tokens / ratio
+    if not banded:
+        return rows * 6 * local * keys
+    tile = min(local, max(MIN_TILE, math.ceil(local / MAX_TILES)))
+    band = min(keys, (tile + (row_tokens if document_tokens is None else document_tokens)) / ratio)
+    return rows * (5 * tile * band + local * band) + 8 * min(CHUNK_ELEMENTS, rows * tile * band)
 
 
 def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
@@ -240,6 +277,7 @@ def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
         "target shards (bf16)": BF16 * counts.target / g,
         "target gathered units": 2 * BF16 * (counts.dense_unit + gathered_experts),
         "target activations": local_tokens * target_activation_bytes_per_token(w),
+        "target indexer (one layer)": indexer_bytes(layout.rows, layout.row_tokens, layout.cp, w["min_ratio"]),
         "captured features": BF16 * layout.rows * feature_columns * feature_width,
         # fp32 draft logits, the teacher's aligned logits and the logits' gradient.
         "draft logits": 3 * FP32 * draft_tokens * w["vocab"],

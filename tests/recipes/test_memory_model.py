@@ -92,7 +92,7 @@ def test_one_node_is_refused_with_the_estimate_and_the_nearest_layout(flash, tmp
     with pytest.raises(ValueError) as error:
         check_layout_fits(counts, layout)
     message = str(error.value)
-    assert "needs about 243.3 GiB a GPU" in message and "target shards (bf16)" in message
+    assert "needs about 243.6 GiB a GPU" in message and "target shards (bf16)" in message
     assert "the nearest layout that fits is 32 GPUs of 141 GiB" in message
     # The recipe's check reads only the target's config.json.
     DeepseekV41Config(text_config=text.to_dict(), vision_config={"num_hidden_layers": 0}).save_pretrained(tmp_path)
@@ -113,3 +113,21 @@ def test_cp_native_features_and_draft_logits_shrink_with_cp(flash):
     assert [p["captured features"] for p in gathered] == [gathered[0]["captured features"]] * 4
     assert halo[3]["captured features"] < gathered[3]["captured features"] / 7
     assert halo[3]["draft logits"] == pytest.approx(gathered[3]["draft logits"] / 8)
+
+
+def test_indexer_term_counts_the_bands_the_packed_indexer_scores():
+    """The model's band (a tile plus one document) bounds what ``indexer_bands`` gives a real row."""
+    from nemo_automodel_ext.models.deepseek_v41.packed_indexer import indexer_bands
+    from nemo_automodel_ext.recipes.memory_model import indexer_bytes
+
+    row, documents = 16384, 64
+    ids = torch.arange(1, documents + 1).repeat_interleave(row // documents).unsqueeze(0)
+    bands = indexer_bands(torch.arange(row).unsqueeze(0), ids, ids, compression_ratio=1)
+    widest = max(high - low for _, _, low, high in bands.tiles)
+    assert widest <= bands.tile + row // documents
+    # 5 bytes a scored pair for one tile, 1 a kept candidate, int64 ranking keys for one tile.
+    band = bands.tile + row // documents
+    assert indexer_bytes(1, row, 1, 1, row // documents) == 5 * bands.tile * band + row * band + 8 * bands.tile * band
+    # Upstream's whole row: 6 bytes for every query-key pair (64k rows, CP 2: 12 GiB).
+    assert indexer_bytes(1, 65536, 2, 1, banded=False) == 12 * GIB
+    assert indexer_bytes(1, 65536, 2, 1, 256) < indexer_bytes(1, 65536, 2, 1) < indexer_bytes(1, 65536, 2, 1, banded=False) / 4

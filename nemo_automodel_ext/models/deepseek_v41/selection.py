@@ -17,9 +17,8 @@ depends only on the scores it can see, never on the row width: the forward is pr
 On tie-free scores (what real scores give) the selected index sets equal upstream's. Query rows are
 ranked in chunks (``CHUNK_ELEMENTS``), so the int64 ranking keys stay bounded whatever the row width.
 
-``install_segmented_selection(model)`` swaps the class of each indexer instance of a built target
-for ``SegmentedSelectionIndexer`` (the subclass only replaces ``_select_packed``); it is called
-when the plugin builds or wraps a target, never at import time.
+``packed_indexer.PackedIndexer`` runs it on each band of keys its queries can see; it is installed
+when the plugin builds or wraps a target (``install_packed_indexer``), never at import time.
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from nemo_automodel.components.models.deepseek_v41 import attention as upstream_attention
 
@@ -205,49 +203,8 @@ def _select_rows(
     return chosen.masked_fill(chosen == width, -1), chosen_candidates
 
 
-class SegmentedSelectionIndexer(upstream_attention._Indexer):
-    """Upstream's frozen V4.1 indexer with ``_select_packed`` replaced by ``segmented_select``."""
-
-    def _select_packed(
-        self,
-        scores: torch.Tensor,
-        sequence_ids: torch.Tensor,
-        state: upstream_attention.DeepseekV41AttentionState,
-    ) -> upstream_attention.DeepseekV41AttentionState:
-        """``segmented_select`` with this layer's settings; shapes as there."""
-        return segmented_select(
-            scores,
-            sequence_ids,
-            state,
-            topk=self.topk,
-            is_candidate_source=self.is_candidate_source,
-            uses_candidates=self.uses_candidates,
-            candidate_topk_blocks=self.candidate_topk_blocks,
-            candidate_block_size=self.candidate_block_size,
-        )
-
-
-def install_segmented_selection(model: nn.Module) -> int:
-    """Swap every upstream indexer of a built V4.1 target to ``SegmentedSelectionIndexer`` (idempotent).
-
-    Args:
-        model: A built target (``DeepseekV41ForCausalLM`` or a module holding one); changed in place.
-
-    Returns:
-        The number of indexers that use the segmented selection after the call.
-    """
-    installed = 0
-    for module in model.modules():
-        if type(module) is upstream_attention._Indexer:
-            module.__class__ = SegmentedSelectionIndexer
-        installed += isinstance(module, SegmentedSelectionIndexer)
-    return installed
-
-
 __all__ = [
-    "SegmentedSelectionIndexer",
     "document_key_blocks",
-    "install_segmented_selection",
     "segmented_select",
     "stable_topk_indices",
     "tie_broken_keys",

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from nemo_automodel_ext.models.deepseek_v41.cp import dspark_packed_forward_cp
 from nemo_automodel_ext.models.deepseek_v41.cp_draft import DraftShard, draft_shard
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import dspark_packed_forward, require_v41_target
-from nemo_automodel_ext.models.deepseek_v41.selection import install_segmented_selection
+from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 
 
 @dataclass
@@ -52,7 +52,7 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
         # The model's own check raises a ValueError naming the rule (upstream's generic one asserts).
         model.get_dspark_target_feature_modules(list(target_layer_ids))
         # Vectorised, width-independent indexer selection (selection.py): prefix-consistent capture.
-        install_segmented_selection(model)
+        install_packed_indexer(model)
         # Upstream's CP hooks patch HF SDPA attention, which V4.1 does not use: never pass a mesh up.
         super().__init__(model, target_layer_ids, cp_mesh=None)
         self.cp_mesh = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None

@@ -10,11 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nemo_automodel.components.models.deepseek_v41 import attention as upstream_attention
 
-from nemo_automodel_ext.models.deepseek_v41.selection import (
-    SegmentedSelectionIndexer,
-    install_segmented_selection,
-    stable_topk_indices,
-)
+from nemo_automodel_ext.models.deepseek_v41.packed_indexer import PackedIndexer, install_packed_indexer
+from nemo_automodel_ext.models.deepseek_v41.selection import stable_topk_indices
 
 
 def packed_scores(lengths, ratio, gaps, seed, local=None):
@@ -68,7 +65,7 @@ def upstream_select(scores, ids, state, layer):
 
 def ours(scores, ids, state, layer):
     """The plugin's indexer method, on the same layer settings as upstream's."""
-    return SegmentedSelectionIndexer._select_packed(layer, scores, ids, state)
+    return PackedIndexer._select_packed(layer, scores, ids, state)
 
 
 def assert_same_selection(expected, got):
@@ -162,11 +159,9 @@ def test_inputs_not_modified_and_install_is_idempotent(tiny_target):
     model = copy.deepcopy(tiny_target)
     count = sum(isinstance(m, upstream_attention._Indexer) for m in model.modules())
     assert count > 0
-    assert install_segmented_selection(model) == count
-    assert install_segmented_selection(model) == count
-    assert all(
-        isinstance(m, SegmentedSelectionIndexer) for m in model.modules() if isinstance(m, upstream_attention._Indexer)
-    )
+    assert install_packed_indexer(model) == count
+    assert install_packed_indexer(model) == count
+    assert all(isinstance(m, PackedIndexer) for m in model.modules() if isinstance(m, upstream_attention._Indexer))
 
 
 @pytest.mark.parametrize("length", [100, 137])
