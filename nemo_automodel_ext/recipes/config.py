@@ -177,6 +177,10 @@ def validate_recipe_config(
     if strategy not in ("ddp", "fsdp2"):
         raise ValueError(f"distributed.strategy must be ddp or fsdp2, got {strategy!r}")
     require_target_reshard(section_get(distributed, "reshard_after_forward", None))
+    defer = section_get(distributed, "defer_fsdp_grad_sync", False)
+    if not isinstance(defer, bool):
+        raise ValueError(f"distributed.defer_fsdp_grad_sync must be true or false, got {defer!r}")
+    args["defer_fsdp_grad_sync"] = defer
     return args
 
 

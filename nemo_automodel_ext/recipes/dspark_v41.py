@@ -206,7 +206,9 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.dist_env.is_main:
             save_run_pointer(self.output_dir, section_get(self.cfg.get("checkpoint", None), "checkpoint_dir", None))
-        self.defer_fsdp_grad_sync = True
+        # False (the plugin's default): FSDP2 reduce-scatters every micro-batch into sharded gradients, so
+        # accumulation holds no unsharded fp32 draft gradients (docs/scaling.md, "Gradient accumulation").
+        self.defer_fsdp_grad_sync = bool(args["defer_fsdp_grad_sync"])
         batches = len(self.train_dataloader)
         self.total_optim_steps = max(1, self.num_epochs * optim_steps_per_epoch(batches, self.grad_accumulation_steps))
         warmup_steps = _resolve_warmup_steps(float(opt_cfg.get("warmup_ratio", 0.05)), self.total_optim_steps)

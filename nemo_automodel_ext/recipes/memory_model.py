@@ -154,6 +154,9 @@ class Layout:
         strategy: Draft data parallelism, ``fsdp2`` or ``ddp``.
         cp_native: The draft trains each CP rank's anchors (True) or every rank gathers the
             pack's features and trains every anchor (False: the plugin before CP-native).
+        grad_accumulation: Micro-batches per optimizer step.
+        defer_grad_sync: FSDP2 skips the reduce-scatter until the last micro-batch
+            (``distributed.defer_fsdp_grad_sync``), holding unsharded fp32 gradients until then.
     """
 
     gpus: int
@@ -165,6 +168,8 @@ class Layout:
     anchors_per_row: int
     strategy: str = "fsdp2"
     cp_native: bool = True
+    grad_accumulation: int = 1
+    defer_grad_sync: bool = False
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,7 @@ def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
     else:
         feature_columns = layout.row_tokens
     draft_replicas = g if layout.strategy == "fsdp2" else 1
+    deferred = layout.strategy == "fsdp2" and layout.defer_grad_sync and layout.grad_accumulation > 1
     memory = {
         "target shards (bf16)": BF16 * counts.target / g,
         "target gathered units": 2 * BF16 * (counts.dense_unit + gathered_experts),
@@ -287,6 +293,8 @@ def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
         "draft params + grads + AdamW": (12 * counts.draft_trainable + BF16 * counts.draft_frozen) / draft_replicas,
         # FSDP2 gathers a whole draft layer (its routed experts included) and prefetches the next.
         "draft gathered layers": 2 * BF16 * counts.draft_layer if layout.strategy == "fsdp2" else 0,
+        # A deferred sync keeps every trainable parameter's unsharded fp32 gradient until the last micro-batch.
+        "deferred draft gradients (unsharded fp32)": FP32 * counts.draft_trainable if deferred else 0,
         "runtime reserve": RUNTIME_RESERVE_GIB * GIB,
     }
     peers = (g - 1) / g
@@ -317,7 +325,10 @@ def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
         )
         if layout.cp > 1
         else 0,
-        "draft FSDP (gather x2, reduce-scatter fp32)": (2 * BF16 + FP32) * counts.draft_trainable * peers
+        # The fp32 reduce-scatter runs every micro-batch, or once a step when deferred.
+        "draft FSDP (gather x2, reduce-scatter fp32)": (2 * BF16 + FP32 / (layout.grad_accumulation if deferred else 1))
+        * counts.draft_trainable
+        * peers
         if layout.strategy == "fsdp2"
         else 2 * FP32 * counts.draft_trainable * peers,
     }
@@ -376,6 +387,8 @@ def layout_from_config(cfg: Any, args: dict[str, Any], world_size: int, gpu_gib:
         row_tokens=row_tokens,
         anchors_per_row=int(anchors),
         strategy=str(get("strategy", "ddp")).lower() if world_size > 1 else "ddp",
+        grad_accumulation=int(args["grad_accumulation_steps"]),
+        defer_grad_sync=bool(args["defer_fsdp_grad_sync"]),
     )
 
 

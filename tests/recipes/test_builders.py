@@ -20,3 +20,10 @@ def test_frozen_target_reshards_after_its_forward(gloo, mode):
 def test_explicit_no_reshard_is_refused():
     with pytest.raises(ValueError, match="distributed.reshard_after_forward: false"):
         frozen_target_setup({"strategy": "fsdp2", "reshard_after_forward": False}, 1)
+
+
+@pytest.mark.parametrize("mode", ["recipe", "deferred"])
+def test_accumulation_holds_sharded_gradients_only(gloo, mode):
+    """Between micro-batches each rank holds 2 bytes a parameter (fp32, sharded over 2) with the recipe's
+    default; upstream's deferred sync holds 4 (fp32, unsharded): 53 GiB for the Flash draft."""
+    gloo(Path(__file__).with_name("gloo_grad_sync.py"), mode)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -130,4 +131,19 @@ def test_indexer_term_counts_the_bands_the_packed_indexer_scores():
     assert indexer_bytes(1, row, 1, 1, row // documents) == 5 * bands.tile * band + row * band + 8 * bands.tile * band
     # Upstream's whole row: 6 bytes for every query-key pair (64k rows, CP 2: 12 GiB).
     assert indexer_bytes(1, 65536, 2, 1, banded=False) == 12 * GIB
-    assert indexer_bytes(1, 65536, 2, 1, 256) < indexer_bytes(1, 65536, 2, 1) < indexer_bytes(1, 65536, 2, 1, banded=False) / 4
+    one_document, short_documents = indexer_bytes(1, 65536, 2, 1), indexer_bytes(1, 65536, 2, 1, 256)
+    assert short_documents < one_document < indexer_bytes(1, 65536, 2, 1, banded=False) / 4
+
+
+def test_deferred_sync_holds_every_trainable_parameter_s_fp32_gradient(flash):
+    """FSDP2 with a deferred sync keeps unsharded fp32 gradients of the whole draft between micro-batches
+    (4 bytes a trainable parameter); the plugin's default reduce-scatters each micro-batch and holds none."""
+    _, counts = flash
+    layout = Layout(gpus=32, gpu_gib=141, ep=32, cp=2, rows=1, row_tokens=65536, anchors_per_row=2048)
+    key = "deferred draft gradients (unsharded fp32)"
+    assert estimate(counts, replace(layout, grad_accumulation=2)).memory[key] == 0
+    deferred = estimate(counts, replace(layout, grad_accumulation=2, defer_grad_sync=True))
+    assert deferred.memory[key] == 4 * counts.draft_trainable
+    assert estimate(counts, replace(layout, grad_accumulation=1, defer_grad_sync=True)).memory[key] == 0
+    # The deferred recipe would not fit an H200: the reason the plugin does not defer.
+    assert not deferred.fits
