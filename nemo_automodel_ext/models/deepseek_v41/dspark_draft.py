@@ -136,14 +136,18 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
             return sample_anchor_positions(
                 seq_len=loss_mask.shape[1], loss_mask=loss_mask, num_anchors=self.num_anchors, device=loss_mask.device
             )
-        return compact_anchors(self._select_packed(loss_mask, seq_lens, doc_remaining))
+        return compact_anchors(self._select_packed(loss_mask, seq_lens, doc_remaining)[0])
 
     def _select_packed(
         self, loss_mask: torch.Tensor, seq_lens: torch.Tensor, doc_remaining: torch.Tensor
-    ) -> torch.Tensor:
-        """The packed anchor draw [batch, row - 1] (bool, default RNG): shared by every rank of a CP group."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed anchor draw (default RNG), shared by every rank of a CP group.
+
+        Returns:
+            ``select_packed_anchors``' ``(chosen [batch, row - 1] bool, priority or None)``.
+        """
         return select_packed_anchors(
-            loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row
+            loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row, with_priority=True
         )
 
     def forward(
@@ -233,8 +237,9 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         """Train the anchors of one context-parallel rank's shard (``cp_draft``).
 
         Anchors are drawn over the whole caller row exactly as ``forward`` draws them (same
-        RNG use), and this rank keeps those inside its shard; across the CP group the blocks
-        are the CP=1 blocks, each computed once.
+        RNG use), and this rank keeps those inside its shard, at most its share of
+        ``max_anchors_per_row`` (``DraftShard.own_anchors``); where the share does not bind,
+        the blocks across the CP group are the CP=1 blocks, each computed once.
 
         Args:
             shard: This rank's ``DraftShard``.
@@ -265,9 +270,8 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         _require_shape("target_hidden_states", target_hidden_states, local, "CP DSpark draft (shard + halo): ")
         if target_last_hidden_states is not None:
             _require_shape("target_last_hidden_states", target_last_hidden_states, local, "CP DSpark draft: ")
-        anchors, keep, document_starts = shard.own_anchors(
-            self._select_packed(loss_mask, seq_lens, doc_remaining), seq_lens
-        )
+        selected, priority = self._select_packed(loss_mask, seq_lens, doc_remaining)
+        anchors, keep, document_starts = shard.own_anchors(selected, seq_lens, priority, self.max_anchors_per_row)
         return self._forward_anchors(
             shard.local(input_ids),
             target_hidden_states,

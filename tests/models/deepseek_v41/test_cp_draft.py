@@ -64,6 +64,54 @@ def test_shards_partition_the_cp1_anchor_draw(lengths, alignment, cp, per_docume
     assert torch.equal(torch.cat(starts), torch.cat(expected_starts))
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    cp=st.integers(2, 4),
+    cap=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_each_rank_trains_at_most_its_share_of_the_row_cap(lengths, cp, cap, seed):
+    """With ``max_anchors_per_row``, a rank keeps at most ceil(cap / cp) anchors, a subset of the CP=1 draw;
+    where no share binds, the ranks train exactly the CP=1 anchors."""
+    seq_lens, layout, _, remaining = _batch([lengths], 4, cp)
+    torch.manual_seed(seed)
+    selected, priority = select_packed_anchors(
+        torch.ones_like(remaining), remaining, seq_lens, 9, max_per_row=cap, with_priority=True
+    )
+    whole = set(layout.input_positions[0, selected[0].nonzero().squeeze(1)].tolist())
+    owned, bound = [], False
+    for rank in range(cp):
+        shard = DraftShard(layout, rank, cp, before=7, after=4)
+        anchors, kept, _ = shard.own_anchors(selected, seq_lens, priority, max_per_row=cap)
+        assert int(kept.sum()) <= -(-cap // cp)
+        mine = (layout.input_positions[0, :-1][selected[0]] >= shard.shard_start) & (
+            layout.input_positions[0, :-1][selected[0]] < shard.shard_stop
+        )
+        bound |= int(mine.sum()) > -(-cap // cp)
+        owned += (anchors[kept] + shard.start).tolist()
+    assert set(owned) <= whole and len(owned) == len(set(owned))
+    if not bound:
+        assert set(owned) == whole
+
+
+def test_the_share_of_the_cap_is_a_uniform_subset():
+    """All 7 anchor candidates of a row in rank 0's shard, cap 4 over 2 ranks: rank 0 keeps 2, each equally often."""
+    seq_lens, layout, _, remaining = _batch([[40, 4]], 4, 2)  # the 40-token document fills rank 0's shard
+    loss_mask = torch.zeros_like(remaining)
+    loss_mask[0, :8] = 1
+    counts = torch.zeros(remaining.shape[1])
+    shard = DraftShard(layout, 0, 2, before=7, after=4)
+    torch.manual_seed(0)
+    for _ in range(2000):
+        selected, priority = select_packed_anchors(loss_mask, remaining, seq_lens, 8, max_per_row=4, with_priority=True)
+        anchors, kept, _ = shard.own_anchors(selected, seq_lens, priority, max_per_row=4)
+        assert int(kept.sum()) == 2
+        counts[anchors[kept] + shard.start] += 1
+    chosen = counts[counts > 0]
+    assert len(chosen) == 7 and (chosen / 2000 - 2 / 7).abs().max() < 0.05
+
+
 def test_local_slices_caller_tensors_to_the_shard_and_its_halos():
     seq_lens, layout, positions, _ = _batch([[5, 17, 18]], 4, 2)  # aligned 8 + 20 + 20 = 48
     shard = DraftShard(layout, 1, 2, before=8, after=4)
