@@ -29,10 +29,10 @@ from nemo_automodel.components.checkpoint.utils import (
     is_checkpoint_incomplete,
     resolve_restore_from_to_checkpoint_dir,
 )
-from safetensors.torch import load_file
 
 from nemo_automodel_ext.evaluation.acceptance import evaluate_greedy, sampled_decode
 from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences, read_eval_sequences
+from nemo_automodel_ext.export import read_draft
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
@@ -146,7 +146,7 @@ def build_draft(run: EvalRun, checkpoint: Path | None) -> DeepseekV41PackedDSpar
 
 
 def load_draft_weights(draft: DeepseekV41PackedDSparkModel, checkpoint: Path, run: EvalRun) -> None:
-    """Load a checkpoint's draft weights (consolidated export preferred, else the sharded files)."""
+    """Load a checkpoint's draft weights (consolidated export preferred, else the per-rank files assembled)."""
     meta_path = checkpoint / "dspark_meta.pt"
     if meta_path.exists():
         meta = torch.load(meta_path, map_location="cpu", weights_only=True)
@@ -155,16 +155,7 @@ def load_draft_weights(draft: DeepseekV41PackedDSparkModel, checkpoint: Path, ru
                 ours if isinstance(ours, list) else [ours]
             ):
                 raise ValueError(f"{checkpoint}: the draft was trained with {key}={meta[key]}, the target uses {ours}")
-    model_dir = checkpoint / "model"
-    files = sorted((model_dir / "consolidated").glob("*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{checkpoint}: no draft weights (model/*.safetensors)")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            state.update(load_file(file))
-        except Exception as error:  # safetensors' SafetensorError (truncated or corrupt header), OSError
-            raise ValueError(f"{file}: cannot read the draft weights ({' '.join(str(error).split())})") from None
+    state = read_draft(checkpoint / "model")  # consolidated, else every rank's slices assembled
     adapter = getattr(draft, "state_dict_adapter", None)
     if adapter is not None and not set(state) <= set(draft.state_dict()):
         state = adapter.from_hf(state)

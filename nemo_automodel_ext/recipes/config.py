@@ -177,6 +177,12 @@ def validate_recipe_config(
     if strategy not in ("ddp", "fsdp2"):
         raise ValueError(f"distributed.strategy must be ddp or fsdp2, got {strategy!r}")
     require_target_reshard(section_get(distributed, "reshard_after_forward", None))
+    if strategy == "fsdp2" and world_size > 1 and section_get(cfg.get("checkpoint", None), "save_consolidated", False):
+        raise ValueError(
+            "checkpoint.save_consolidated: true fails with an FSDP2 draft on more than one rank in nemo_automodel "
+            "0.7.0 (KeyError on the split expert keys while writing the index); set it false: the recipe exports "
+            "the last checkpoint's draft itself (python -m nemo_automodel_ext.export RUN for any other)"
+        )
     defer = section_get(distributed, "defer_fsdp_grad_sync", False)
     if not isinstance(defer, bool):
         raise ValueError(f"distributed.defer_fsdp_grad_sync must be true or false, got {defer!r}")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from nemo_automodel._transformers.auto_tokenizer import NeMoAutoTokenizer
+from nemo_automodel.components.checkpoint.utils import resolve_restore_from_to_checkpoint_dir
 from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_dataloader
 from nemo_automodel.components.distributed.init_utils import initialize_distributed
 from nemo_automodel.components.loggers.log_utils import setup_logging
@@ -55,6 +56,7 @@ from nemo_automodel.recipes.llm.train_dspark import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+from nemo_automodel_ext.export import export_draft
 from nemo_automodel_ext.models.deepseek_v41.cp_trainer import PackedDSparkTrainerModule
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_alignment
@@ -384,8 +386,20 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             if self.runtime.global_step == 0 and self.acceptance.every_steps and self.parallel_strategy != "fsdp2":
                 self._log_eval(self.acceptance.run(0))
             super().run_train_validation_loop()
+        self._export_last_checkpoint()
         if self.dist_env.is_main and (self.output_dir / "metrics.jsonl").exists():
             logger.info("training curves: %s", plot_training_curves(self.output_dir / "metrics.jsonl"))
+
+    def _export_last_checkpoint(self) -> None:
+        """Rank 0 writes the last checkpoint's ``model/consolidated/`` when the save left none (``export.py``)."""
+        if not self.checkpointer.config.enabled:
+            return
+        if self.dist_env.is_main:
+            latest = resolve_restore_from_to_checkpoint_dir(self.checkpoint_config.checkpoint_dir, "LATEST")
+            if latest is not None:
+                logger.info("servable draft: %s", export_draft(pathlib.Path(latest)))
+        if dist.is_initialized():
+            dist.barrier()
 
     def _forward_batch(self, batch):
         """Upstream's step, plus running counts of real tokens and a data checksum (all dp ranks).

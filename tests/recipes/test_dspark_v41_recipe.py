@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from nemo_automodel.components.checkpoint.utils import resolve_restore_from_to_checkpoint_dir
 from nemo_automodel.components.config.loader import load_yaml_config
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from progress_bound import run_until_stalled
+from safetensors.torch import load_file
 
 from nemo_automodel_ext.launch import torchrun_command
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
@@ -303,6 +305,15 @@ def test_resume_matches_the_uninterrupted_run_step_for_step(uninterrupted):
         assert record["loss"] == pytest.approx(reference["loss"], abs=1e-6), record["step"]
 
 
+def test_consolidation_of_a_sharded_draft_is_refused_with_the_workaround():
+    cfg = _tiny_cfg()
+    cfg.set_by_dotted("distributed.strategy", "fsdp2")
+    cfg.set_by_dotted("checkpoint.save_consolidated", True)
+    with pytest.raises(ValueError, match="save_consolidated: true fails with an FSDP2 draft.*exports"):
+        validate_recipe_config(cfg, 2, "cpu", require_packages=False)
+    validate_recipe_config(cfg, 1, "cpu", require_packages=False)  # one rank: upstream's export works
+
+
 def test_bad_yaml_fails_before_writing_anything(tmp_path):
     """A config error stops the CLI run with the fix in the message, before assets or outputs exist."""
     command = cli_command(
@@ -358,6 +369,16 @@ def test_fsdp2_draft_trains_and_resumes_exactly(uninterrupted, cp_size):
     run_tiny_recipe(workdir, run, *common, nproc=2)
     checkpoint = workdir / run / "checkpoints" / "epoch_0_step_5"
     assert len(list((checkpoint / "model").glob("shard-*.safetensors"))) == 2  # one shard per rank
+    # The run ends with a servable draft (nemo_automodel 0.7.0's own consolidation fails here): the released
+    # keys of a one-rank checkpoint, each tensor the rank slices assembled.
+    from nemo_automodel_ext.export import read_sharded_draft
+
+    last = Path(resolve_restore_from_to_checkpoint_dir(workdir / run / "checkpoints", "LATEST"))
+    exported = load_file(last / "model" / "consolidated" / "model-00001-of-00001.safetensors")
+    one_rank = load_file(next((workdir / "full" / "checkpoints").glob("epoch_*/model/consolidated/*.safetensors")))
+    assert {key: value.shape for key, value in exported.items()} == {k: v.shape for k, v in one_rank.items()}
+    assembled = read_sharded_draft(last / "model")
+    assert all(torch.equal(exported[key], assembled[key]) for key in exported)
     run_tiny_recipe(workdir, resumed_run, *common, f"--checkpoint.restore_from={checkpoint}", nproc=2)
     full, resumed = read_metrics(workdir / run), read_metrics(workdir / resumed_run)
     assert [record["step"] for record in resumed] == list(range(6, len(full) + 1))
@@ -371,8 +392,6 @@ def test_accumulation_reduce_scatters_every_micro_batch_with_the_deferred_sync_s
     """FSDP2 draft, 2 gloo ranks, 2 micro-batches a step: the plugin's default reduce-scatters each micro-batch
     into sharded gradients (no unsharded fp32 gradients held between micro-batches); upstream's deferred sync
     gives the same losses and the same trained weights."""
-    from safetensors.torch import load_file
-
     workdir, _, _ = uninterrupted
     small = workdir / "small_accumulation.jsonl"
     small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:640]) + "\n")
