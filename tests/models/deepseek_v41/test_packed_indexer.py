@@ -220,8 +220,14 @@ def test_packed_row_never_allocates_queries_by_global_keys(tie_free):
 def test_one_long_document_scores_no_more_than_the_whole_row(monkeypatch):
     ids = torch.ones(1, 4096, dtype=torch.long)
     positions = torch.arange(4096).unsqueeze(0)
+    # A budget for the whole row: one call, every tile against the widest band (the whole row, no more).
+    monkeypatch.setattr(packed_indexer, "BAND_ELEMENTS", 1 << 26)
     bands = indexer_bands(positions, ids, ids[:, ::2], compression_ratio=2)
     assert len(bands.tiles) == 16 and bands.groups == ((0, 16, 2048),) and bands.scored == 4096 * 2048
+    monkeypatch.undo()
+    bands = indexer_bands(positions, ids, ids[:, ::2], compression_ratio=2)  # the default budget
+    assert bands.scored <= 4096 * 2048
+    assert all((last - first) * bands.tile * keys <= packed_indexer.BAND_ELEMENTS for first, last, keys in bands.groups)
     # Where the whole row does not fit one call, tiles go one by one: the causal triangle only.
     monkeypatch.setattr(packed_indexer, "BAND_ELEMENTS", 256 * 2048)
     bands = indexer_bands(positions, ids, ids[:, ::2], compression_ratio=2)
