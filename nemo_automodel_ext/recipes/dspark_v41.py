@@ -2,8 +2,9 @@
 
 nemo_automodel 0.7.0's ``TrainDSparkRecipe`` refuses packing for the V4.1 draft and with
 context parallelism, and its V4.1 target build needs CUDA. This recipe subclasses it and
-replaces only ``setup`` (what gets built) and ``_forward_batch`` (token accounting); the
-training loop, loss, metric window, checkpointing and resume are upstream's.
+replaces ``setup`` (what gets built, here) and some of the loop's hooks (``loop_hooks.py``:
+token accounting, evaluation, the end-of-run export); the training loop, loss, metric
+window, checkpointing and resume are upstream's.
 
 What it builds instead:
 
@@ -32,11 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from nemo_automodel._transformers.auto_tokenizer import NeMoAutoTokenizer
-from nemo_automodel.components.checkpoint.utils import resolve_restore_from_to_checkpoint_dir
 from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_dataloader
 from nemo_automodel.components.distributed.init_utils import initialize_distributed
 from nemo_automodel.components.loggers.log_utils import setup_logging
-from nemo_automodel.components.loggers.metric_logger import MetricsSample, build_metric_logger
+from nemo_automodel.components.loggers.metric_logger import build_metric_logger
 from nemo_automodel.components.models.common.utils import cast_model_to_dtype
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from nemo_automodel.components.speculative.dspark.target_utils import (
@@ -56,7 +56,6 @@ from nemo_automodel.recipes.llm.train_dspark import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from nemo_automodel_ext.export import export_draft
 from nemo_automodel_ext.models.deepseek_v41.cp_trainer import PackedDSparkTrainerModule
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import compression_alignment
@@ -75,19 +74,22 @@ from nemo_automodel_ext.recipes.builders import (
 )
 from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
 from nemo_automodel_ext.recipes.data_checks import check_recipe_data, require_a_batch_per_rank
+from nemo_automodel_ext.recipes.loop_hooks import PackedDSparkLoopHooks
 from nemo_automodel_ext.recipes.parallel import draft_mesh, parallelize_draft
-from nemo_automodel_ext.recipes.plots import plot_training_curves
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
-from nemo_automodel_ext.recipes.resume import ResumedEpochLoader, resume_advice
-from nemo_automodel_ext.recipes.run_record import save_run_pointer, save_run_record
+from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
+from nemo_automodel_ext.recipes.run_record import save_run_pointer
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
 
 logger = logging.getLogger(__name__)
 
 
-class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
-    """Packed (and context-parallel) DSpark training with a DeepSeek V4.1 target and draft."""
+class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
+    """Packed (and context-parallel) DSpark training with a DeepSeek V4.1 target and draft.
+
+    ``setup`` builds everything (below); the loop is upstream's, with the hooks of ``loop_hooks.py``.
+    """
 
     def setup(self) -> None:
         """Build meshes, target, wrapper, data, draft, optimizer and checkpointer (refusals: ``refusals.py``)."""
@@ -95,6 +97,15 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             self._setup()
 
     def _setup(self) -> None:
+        args, target_path = self._setup_environment()
+        self._setup_target(args, target_path)
+        self._setup_data(args)
+        self._setup_draft(args)
+        self._setup_optimization(args)
+        self._setup_run(args, target_path)
+
+    def _setup_environment(self) -> tuple[dict[str, Any], str]:
+        """Process group, device, validated ``recipe_args``, the target's checks; returns (args, target path)."""
         dist_cfg = self.cfg.get("dist_env", {})
         self.dist_env = initialize_distributed(
             backend=dist_cfg.get("backend", "nccl"), timeout_minutes=dist_cfg.get("timeout_minutes", 30)
@@ -118,7 +129,11 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         if args["target_builder"] == "automodel" and self.device.type == "cuda":
             gpu_gib = torch.cuda.get_device_properties(self.device).total_memory / 2**30
             check_layout_memory(self.cfg, args, target_path, world_size, gpu_gib)
+        return args, target_path
 
+    def _setup_target(self, args: dict[str, Any], target_path: str) -> None:
+        """CP meshes, tokenizer, the frozen target and its packed wrapper."""
+        world_size = self.dist_env.world_size
         distributed = self.cfg.get("distributed", None)
         cp_size = int(section_get(distributed, "cp_size", 1) or 1)
         self.device_mesh = self.distributed_setup = self.cp_mesh = self.dp_mesh = None
@@ -150,6 +165,9 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
                 cp_size,
             )
 
+    def _setup_data(self, args: dict[str, Any]) -> None:
+        """Block, anchors and mask token, the data checks and the train and validation loaders."""
+        text = self.target_model.config.text_config
         self.block_size = int(args["block_size"] or text.dspark_block_size)
         self.num_anchors = int(args["num_anchors"])
         self.mask_token_id = self._resolve_mask_token_id(self.cfg.recipe_args, text.vocab_size)
@@ -161,9 +179,17 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             else None
         )
         require_a_batch_per_rank(
-            args, len(self.train_dataloader.dataset), self.dp_mesh.size() if self.dp_mesh is not None else world_size
+            args,
+            len(self.train_dataloader.dataset),
+            self.dp_mesh.size() if self.dp_mesh is not None else self.dist_env.world_size,
         )
 
+    def _setup_draft(self, args: dict[str, Any]) -> None:
+        """The packed draft (identical on every rank), its loss module, parallelised over dp x cp."""
+        world_size = self.dist_env.world_size
+        distributed = self.cfg.get("distributed", None)
+        text = self.target_model.config.text_config
+        architectures = list(self.target_model.config.architectures or ["DeepseekV41ForCausalLM"])
         torch.manual_seed(int(args["shuffle_seed"]))  # identical draft initialisation on every rank
         self.draft_model = self._build_draft(args, text, architectures).to(self.device)
         cast_model_to_dtype(self.draft_model, self.compute_dtype)
@@ -195,6 +221,8 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         )
         self._precompute_fp8_scales = False
 
+    def _setup_optimization(self, args: dict[str, Any]) -> None:
+        """Optimizer, schedule, accumulation and the step, log and checkpoint cadence."""
         opt_cfg = self.cfg.optimizer
         self.peak_lr = float(opt_cfg.lr)
         self.optimizer = _build_dspark_optimizer(self.trainer_module, opt_cfg, device_mesh=self.draft_mesh)
@@ -218,6 +246,10 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
             self.optimizer,
             make_warmup_cosine_schedule(warmup_steps, self.total_optim_steps, float(opt_cfg.get("min_lr_ratio", 0.1))),
         )
+
+    def _setup_run(self, args: dict[str, Any], target_path: str) -> None:
+        """Checkpointer and resume, the metric files and W&B, the acceptance evaluator."""
+        batches = len(self.train_dataloader)
         self.runtime = SimpleNamespace(global_step=0)
         self._resume_epoch = 0
         self._tokens_seen = 0
@@ -328,155 +360,6 @@ class TrainPackedDSparkV41Recipe(TrainDSparkRecipe):
         return build_packed_draft(
             args, text, architectures, self.target_layer_ids, self.block_size, self.num_anchors, self.mask_token_id
         )
-
-    def _consumed_batches_in_epoch(self, batches: int) -> int:
-        """Micro-batches of the resumed epoch that the restored global step already trained on."""
-        steps_per_epoch = optim_steps_per_epoch(batches, self.grad_accumulation_steps)
-        done = self.runtime.global_step - self._resume_epoch * steps_per_epoch
-        return min(max(done, 0) * self.grad_accumulation_steps, batches)
-
-    def _make_progress_bar(self, total: int | None = None, initial: int = 0):
-        """No tqdm bar: the progress line of each logged step carries the step, tokens/s and ETA."""
-        return None
-
-    def _maybe_save_step_checkpoint(self, epoch: int) -> bool:
-        """Upstream's step checkpoint, then the greedy acceptance evaluation when it is due."""
-        saved = super()._maybe_save_step_checkpoint(epoch)
-        self._epoch = epoch
-        flushed, self._micro_since_step = self._micro_since_step < self.grad_accumulation_steps, 0
-        if self.runtime.global_step % self.log_every_steps == 0:
-            if flushed:  # upstream logs full accumulation windows only
-                self._log_flushed_step(epoch)
-            self._trailing.reset()
-        if self.acceptance.due(self.runtime.global_step):
-            self._log_eval(self.acceptance.run(self.runtime.global_step))
-        return saved
-
-    def _log_flushed_step(self, epoch: int) -> None:
-        """Log the step that flushed an epoch's partial accumulation window (every rank: one all-reduce)."""
-        metrics = self._trailing.averages(self._dp_allreduce)
-        if self.dist_env.is_main:
-            metrics.update(lr=self.lr_scheduler.get_last_lr()[0], mem=0.0)
-            self.metric_logger.log(MetricsSample(step=self.runtime.global_step, epoch=epoch, metrics=metrics))
-
-    def _run_eval(self):
-        """Upstream's teacher-forced validation (not counted as training tokens) plus greedy acceptance."""
-        self._counting_tokens = False
-        try:
-            metrics = super()._run_eval()
-        finally:
-            self._counting_tokens = True
-        if metrics is None:
-            return None
-        metrics.update(self.acceptance.run(self.runtime.global_step))
-        self._log_eval(metrics, wandb=False)  # upstream logs the returned metrics to W&B
-        return metrics
-
-    def _log_eval(self, metrics: dict[str, float], wandb: bool = True) -> None:
-        if not self.dist_env.is_main or self.metric_logger is None:
-            return
-        self.metric_logger.log_eval(self.runtime.global_step, self._epoch, metrics)
-        if wandb:
-            self._wandb_log({f"val/{key}": value for key, value in metrics.items()}, step=self.runtime.global_step)
-
-    def run_train_validation_loop(self):
-        """Upstream's loop, after a step-0 acceptance baseline; rank 0 then draws ``training_curves.png``."""
-        with report_refusal():
-            # The draft at initialisation; an FSDP2 root must run its first forward before its layers do.
-            if self.runtime.global_step == 0 and self.acceptance.every_steps and self.parallel_strategy != "fsdp2":
-                self._log_eval(self.acceptance.run(0))
-            super().run_train_validation_loop()
-        self._export_last_checkpoint()
-        if self.dist_env.is_main and (self.output_dir / "metrics.jsonl").exists():
-            logger.info("training curves: %s", plot_training_curves(self.output_dir / "metrics.jsonl"))
-
-    def _export_last_checkpoint(self) -> None:
-        """Rank 0 writes the last checkpoint's ``model/consolidated/`` when the save left none (``export.py``)."""
-        if not self.checkpointer.config.enabled:
-            return
-        if self.dist_env.is_main:
-            latest = resolve_restore_from_to_checkpoint_dir(self.checkpoint_config.checkpoint_dir, "LATEST")
-            if latest is not None:
-                logger.info("servable draft: %s", export_draft(pathlib.Path(latest)))
-        if dist.is_initialized():
-            dist.barrier()
-
-    def _forward_batch(self, batch):
-        """Upstream's step, plus running counts of real tokens and a data checksum (all dp ranks).
-
-        Validation batches (``_run_eval``) are not counted.
-        """
-        if not self._counting_tokens:
-            return self._draft_step(batch)
-        ids = batch["input_ids"].to(torch.long)
-        weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.long)
-        checksum = int(((ids.cpu() * weights).sum(1) % 1_000_003).sum())
-        metrics = self._draft_step(batch)
-        # One all-reduce (and host read) carries the counters and whether any rank's loss is non-finite.
-        nonfinite = (~torch.isfinite(metrics.loss.detach())).to(torch.long).reshape(1).cpu()
-        stats = torch.cat([torch.tensor([int(batch["attention_mask"].sum()), checksum]), nonfinite])
-        tokens, checksum, bad_ranks = self._dp_allreduce(stats).tolist()
-        if bad_ranks:
-            step = self.runtime.global_step + 1
-            raise FloatingPointError(
-                f"non-finite DSpark loss at optimizer step {step} (epoch {self._epoch}) on {bad_ranks} data-parallel "
-                "rank(s); stopped before its backward. Check the data and the target's captured features. "
-                + resume_advice(
-                    self.checkpoint_config.checkpoint_dir if self.checkpointer.config.enabled else None, step
-                )
-            )
-        self._tokens_seen += int(tokens)
-        self._data_checksum = (self._data_checksum + int(checksum)) % 2**61
-        self._trailing.add(metrics)
-        self._micro_since_step += 1
-        return metrics
-
-    def _draft_step(self, batch):
-        """Upstream's capture and draft step; under CP the CP-native one (``cp_trainer.py``).
-
-        Each CP rank captures its shard, receives its halos from its neighbours and trains
-        the anchors of its shard; no rank gathers the pack's features.
-        """
-        if self.target_wrapper.cp_mesh is None:
-            return super()._forward_batch(batch)
-        batch = {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
-        config = self._module().draft_model.config
-        captured = self.target_wrapper.generate_shard_batch(
-            batch["input_ids"],
-            batch["loss_mask"],
-            batch.get("position_ids"),
-            batch.get("seq_lens"),
-            batch.get("doc_remaining"),
-            before=config.sliding_window,
-            after=config.dspark_block_size,
-        )
-        return self.trainer_module(
-            input_ids=captured.input_ids,
-            target_hidden_states=captured.target_hidden_states,
-            loss_mask=captured.loss_mask,
-            target_last_hidden_states=captured.target_last_hidden_states,
-            position_ids=captured.position_ids,
-            seq_lens=captured.seq_lens,
-            doc_remaining=captured.doc_remaining,
-            shard=captured.shard,
-        )
-
-    def _save_extra_state(self, path: str, epoch: int) -> None:
-        """Upstream's DSpark meta, the token and data-checksum counters (``progress_meta.pt``) and the
-        run's effective config and launch folder (``run_record.py``)."""
-        super()._save_extra_state(path, epoch)
-        save_run_record(self.cfg, path)
-        torch.save(
-            {"tokens_seen": self._tokens_seen, "data_checksum": self._data_checksum},
-            pathlib.Path(path) / "progress_meta.pt",
-        )
-
-    def _load_extra_state(self, ckpt_dir: str) -> None:
-        super()._load_extra_state(ckpt_dir)
-        meta = pathlib.Path(ckpt_dir) / "progress_meta.pt"
-        if meta.exists():
-            state = torch.load(meta, map_location="cpu", weights_only=True)
-            self._tokens_seen, self._data_checksum = int(state["tokens_seen"]), int(state["data_checksum"])
 
 
 __all__ = ["TrainPackedDSparkV41Recipe"]
