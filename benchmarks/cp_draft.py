@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def _setup(args):
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
+    from nemo_automodel_ext.demo.demo_target import demo_target_config
     from nemo_automodel_ext.models.deepseek_v41.cp_trainer import PackedDSparkTrainerModule
     from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
     from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, released_draft_options
-    from nemo_automodel_ext.recipes.demo_target import demo_target_config
 
     torch.manual_seed(0)
     config = demo_target_config()

@@ -173,9 +173,9 @@ def supervision_table(anchors: int = BLOCK_BUDGET) -> None:
     from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_dataloader
     from nemo_automodel.components.speculative.dspark.common import sample_anchor_positions
 
+    from nemo_automodel_ext.demo.tiny_assets import build_tokenizer, ensure_tiny_assets
     from nemo_automodel_ext.models.deepseek_v41.anchors import block_supervision, compact_anchors, select_packed_anchors
     from nemo_automodel_ext.models.deepseek_v41.dspark_target import aligned_packed_layout
-    from nemo_automodel_ext.recipes.tiny_assets import build_tokenizer, ensure_tiny_assets
 
     with tempfile.TemporaryDirectory() as directory:
         assets = ensure_tiny_assets(f"{directory}/assets")

@@ -14,7 +14,7 @@ anchors, strategy) and prints:
 
 The target config is the recipe's when ``target_model_name_or_path`` is a local folder, else
 upstream's ``DeepseekV41TextConfig`` defaults (the released V4.1-Flash). Nothing is downloaded
-or allocated: parameter counts come from meta-device builds (``recipes/memory_model.py``).
+or allocated: parameter counts come from meta-device builds (``planning/memory_model.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def main() -> None:
     from nemo_automodel.components.config.loader import load_yaml_config
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
+    from nemo_automodel_ext.planning.memory_model import GIB, estimate, indexer_bytes, layout_from_config, model_counts
     from nemo_automodel_ext.recipes.builders import target_text_config
     from nemo_automodel_ext.recipes.config import validate_recipe_config
-    from nemo_automodel_ext.recipes.memory_model import GIB, estimate, indexer_bytes, layout_from_config, model_counts
 
     recipes = options.recipes or [REPO / "recipes" / "deepseek_v41" / name for name in GPU_RECIPES]
     counted = {}

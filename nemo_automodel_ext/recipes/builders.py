@@ -104,7 +104,7 @@ def check_layout_memory(cfg: Any, args: dict[str, Any], path: str, world_size: i
     Raises:
         ValueError: the per-GPU estimate and the nearest layout that fits (``memory_model``).
     """
-    from nemo_automodel_ext.recipes.memory_model import check_layout_fits, layout_from_config, model_counts
+    from nemo_automodel_ext.planning.memory_model import check_layout_fits, layout_from_config, model_counts
 
     counts = model_counts(target_text_config(path), int(args["num_anchors"]))
     check_layout_fits(counts, layout_from_config(cfg, args, world_size, gpu_gib))

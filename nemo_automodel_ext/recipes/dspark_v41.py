@@ -308,7 +308,7 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
             )
 
     def _prepare_tiny_assets(self, directory: str) -> None:
-        from nemo_automodel_ext.recipes.tiny_assets import ensure_tiny_assets
+        from nemo_automodel_ext.demo.tiny_assets import ensure_tiny_assets
 
         if self.dist_env.is_main:
             ensure_tiny_assets(directory)

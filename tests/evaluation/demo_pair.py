@@ -7,12 +7,12 @@ import random
 import torch
 from nemo_automodel.components.speculative.dspark.core import DSparkTrainerModule
 
+from nemo_automodel_ext.demo.demo_target import load_demo_target
+from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, conversation
 from nemo_automodel_ext.evaluation.sequences import EvalSequence, encode_conversation, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import released_draft_options
-from nemo_automodel_ext.recipes.demo_target import load_demo_target
-from nemo_automodel_ext.recipes.tiny_tasks import build_tokenizer, conversation
 
 TRAIN_STEPS = 120
 

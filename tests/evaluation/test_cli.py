@@ -12,9 +12,9 @@ import yaml
 from nemo_automodel.components.config.loader import load_yaml_config
 from safetensors.torch import save_file
 
+from nemo_automodel_ext.demo.tiny_assets import regenerate, write_demo_target
+from nemo_automodel_ext.demo.tiny_tasks import conversation
 from nemo_automodel_ext.evaluation.cli import main
-from nemo_automodel_ext.recipes.tiny_assets import regenerate, write_demo_target
-from nemo_automodel_ext.recipes.tiny_tasks import conversation
 
 REPO = Path(__file__).resolve().parents[2]
 

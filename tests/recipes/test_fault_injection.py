@@ -71,7 +71,7 @@ def _train_records(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run (assets generated once, shared with the killed runs)."""
-    from nemo_automodel_ext.recipes.tiny_assets import ensure_tiny_assets
+    from nemo_automodel_ext.demo.tiny_assets import ensure_tiny_assets
 
     workdir = tmp_path_factory.mktemp("faults")
     assets = ensure_tiny_assets(workdir / "assets", train_samples=200)

@@ -167,8 +167,8 @@ def test_inputs_not_modified_and_install_is_idempotent(tiny_target):
 @pytest.mark.parametrize("length", [100, 137])
 def test_demo_target_is_prefix_consistent_with_segmented_selection(length):
     """Appending a token never changes an earlier column's logits (upstream's loop: up to ~1 logit)."""
+    from nemo_automodel_ext.demo.demo_target import load_demo_target
     from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
-    from nemo_automodel_ext.recipes.demo_target import load_demo_target
 
     model = load_demo_target()
     generator = torch.Generator().manual_seed(length)

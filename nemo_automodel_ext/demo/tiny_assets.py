@@ -11,7 +11,7 @@ Nothing is downloaded. ``ensure_tiny_assets(directory)`` writes, once:
   regenerates its data with upstream's ``regenerate.py`` against a serving engine, so the draft
   learns the target's own distribution.
 
-Run ``python -m nemo_automodel_ext.recipes.tiny_assets DIR`` to build them by hand.
+Run ``python -m nemo_automodel_ext.demo.tiny_assets DIR`` to build them by hand.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from nemo_automodel_ext.demo.demo_target import MAX_NEW_TOKENS, load_demo_target
+from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, conversation
 from nemo_automodel_ext.evaluation.generate import greedy_generate
 from nemo_automodel_ext.evaluation.sequences import encode_conversation
-from nemo_automodel_ext.recipes.demo_target import MAX_NEW_TOKENS, load_demo_target
-from nemo_automodel_ext.recipes.tiny_tasks import build_tokenizer, conversation
 
 _MARKER = ".complete"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import random
 
-from nemo_automodel_ext.recipes.tiny_assets import ensure_tiny_assets
-from nemo_automodel_ext.recipes.tiny_tasks import conversation, held_out
+from nemo_automodel_ext.demo.tiny_assets import ensure_tiny_assets
+from nemo_automodel_ext.demo.tiny_tasks import conversation, held_out
 
 
 def _prompts(path):

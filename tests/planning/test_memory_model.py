@@ -1,4 +1,4 @@
-"""The memory and communication model (``recipes/memory_model.py``) and the GPU recipes it lays out."""
+"""The memory and communication model (``planning/memory_model.py``) and the GPU recipes it lays out."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from nemo_automodel.components.models.deepseek_v41.engram import DeepseekV41Engr
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
-from nemo_automodel_ext.recipes.builders import check_layout_memory
-from nemo_automodel_ext.recipes.config import validate_recipe_config
-from nemo_automodel_ext.recipes.memory_model import (
+from nemo_automodel_ext.planning.memory_model import (
     GIB,
     Layout,
     check_layout_fits,
@@ -26,6 +24,8 @@ from nemo_automodel_ext.recipes.memory_model import (
     model_counts,
     routed_expert_parameters,
 )
+from nemo_automodel_ext.recipes.builders import check_layout_memory
+from nemo_automodel_ext.recipes.config import validate_recipe_config
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPUs each shipped GPU recipe is laid out for: (ranks, GiB a GPU).
@@ -119,7 +119,7 @@ def test_cp_native_features_and_draft_logits_shrink_with_cp(flash):
 def test_indexer_term_counts_the_bands_the_packed_indexer_scores():
     """The model's band (a tile plus one document) bounds what ``indexer_bands`` gives a real row."""
     from nemo_automodel_ext.models.deepseek_v41.packed_indexer import indexer_bands
-    from nemo_automodel_ext.recipes.memory_model import indexer_bytes
+    from nemo_automodel_ext.planning.memory_model import indexer_bytes
 
     row, documents = 16384, 64
     ids = torch.arange(1, documents + 1).repeat_interleave(row // documents).unsqueeze(0)

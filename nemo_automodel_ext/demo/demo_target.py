@@ -5,10 +5,10 @@ own states; a randomly initialised target emits noise, and a draft trained again
 dataset instead of the target. The demo target is the shipped demo config
 (``models/deepseek_v41/configs/demo_target.json``: 6 layers, hidden 64, sliding window 64)
 trained on ``tiny_tasks`` conversations until greedy decoding answers held-out prompts exactly.
-Its weights ship with the package (``recipes/assets/demo_target``); this module is the script
+Its weights ship with the package (``demo/assets/demo_target``); this module is the script
 that made them, deterministic for a given seed on one machine:
 
-    python -m nemo_automodel_ext.recipes.demo_target --output nemo_automodel_ext/recipes/assets/demo_target
+    python -m nemo_automodel_ext.demo.demo_target --output nemo_automodel_ext/demo/assets/demo_target
 
 It trains with the model's own packed loss (``seq_lens`` + ``labels``, assistant tokens only)
 and prints the held-out exact-match rate of greedy decoding.
@@ -30,11 +30,11 @@ from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Conf
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from safetensors.torch import load_file, save_file
 
+from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, conversation
 from nemo_automodel_ext.evaluation.generate import greedy_generate
 from nemo_automodel_ext.evaluation.sequences import encode_conversation
 from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, cpu_backend
-from nemo_automodel_ext.recipes.tiny_tasks import build_tokenizer, conversation
 
 DEMO_TARGET_CONFIG = "configs/demo_target.json"
 SHIPPED_WEIGHTS = "assets/demo_target/model.safetensors"
@@ -52,7 +52,7 @@ def demo_target_config() -> DeepseekV41Config:
 def load_demo_target() -> DeepseekV41ForCausalLM:
     """The trained demo target (fp32, eval mode, CPU) from the weights shipped with the package."""
     model = DeepseekV41ForCausalLM(demo_target_config(), backend=cpu_backend())
-    weights = resources.files("nemo_automodel_ext.recipes").joinpath(SHIPPED_WEIGHTS)
+    weights = resources.files("nemo_automodel_ext.demo").joinpath(SHIPPED_WEIGHTS)
     with resources.as_file(weights) as path:
         model.load_state_dict(load_file(str(path)), strict=True)
     install_packed_indexer(model)

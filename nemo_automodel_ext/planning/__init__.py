@@ -1,0 +1,1 @@
+"""Planning a GPU run before it starts: ``memory_model`` (per-GPU memory and traffic of a layout)."""
