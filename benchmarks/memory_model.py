@@ -41,8 +41,8 @@ def main() -> None:
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
     from nemo_automodel_ext.planning.memory_model import GIB, estimate, indexer_bytes, layout_from_config, model_counts
-    from nemo_automodel_ext.recipes.builders import target_text_config
-    from nemo_automodel_ext.recipes.config import validate_recipe_config
+    from nemo_automodel_ext.run.config import validate_recipe_config
+    from nemo_automodel_ext.run.loading import target_text_config
 
     recipes = options.recipes or [REPO / "recipes" / "deepseek_v41" / name for name in GPU_RECIPES]
     counted = {}

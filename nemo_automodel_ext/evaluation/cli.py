@@ -36,14 +36,14 @@ from nemo_automodel_ext.export import read_draft
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
-from nemo_automodel_ext.recipes.builders import (
+from nemo_automodel_ext.run.config import validate_recipe_config
+from nemo_automodel_ext.run.loading import (
     build_packed_draft,
     check_target_contract,
     load_local_target,
     require_target_path,
 )
-from nemo_automodel_ext.recipes.config import validate_recipe_config
-from nemo_automodel_ext.recipes.run_record import RUN_INFO, load_run_record, resolve_run_paths
+from nemo_automodel_ext.run.run_record import RUN_INFO, load_run_record, resolve_run_paths
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from nemo_automodel_ext.recipes.data_checks import is_local_chat_file, read_chat_samples
+from nemo_automodel_ext.run.data_checks import is_local_chat_file, read_chat_samples
 
 
 @dataclass(frozen=True)

@@ -63,24 +63,23 @@ from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSp
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
 from nemo_automodel_ext.quiet import quiet_sglang_warning
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
-from nemo_automodel_ext.recipes.builders import (
-    build_packed_draft,
-    check_layout_memory,
-    check_target_contract,
-    frozen_target_setup,
-    load_local_target,
-    require_target_path,
-    require_v41_checkpoint,
-)
-from nemo_automodel_ext.recipes.config import section_get, validate_recipe_config
-from nemo_automodel_ext.recipes.data_checks import check_recipe_data, require_a_batch_per_rank
+from nemo_automodel_ext.recipes.builders import check_layout_memory, frozen_target_setup
 from nemo_automodel_ext.recipes.loop_hooks import PackedDSparkLoopHooks
 from nemo_automodel_ext.recipes.parallel import draft_mesh, parallelize_draft
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
-from nemo_automodel_ext.recipes.run_record import save_run_pointer
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
+from nemo_automodel_ext.run.config import section_get, validate_recipe_config
+from nemo_automodel_ext.run.data_checks import check_recipe_data, require_a_batch_per_rank
+from nemo_automodel_ext.run.loading import (
+    build_packed_draft,
+    check_target_contract,
+    load_local_target,
+    require_target_path,
+    require_v41_checkpoint,
+)
+from nemo_automodel_ext.run.run_record import save_run_pointer
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from nemo_automodel_ext.export import export_draft
 from nemo_automodel_ext.recipes.plots import plot_training_curves
 from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import resume_advice
-from nemo_automodel_ext.recipes.run_record import save_run_record
+from nemo_automodel_ext.run.run_record import save_run_record
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from nemo_automodel_ext.planning.memory_model import (
     routed_expert_parameters,
 )
 from nemo_automodel_ext.recipes.builders import check_layout_memory
-from nemo_automodel_ext.recipes.config import validate_recipe_config
+from nemo_automodel_ext.run.config import validate_recipe_config
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPUs each shipped GPU recipe is laid out for: (ranks, GiB a GPU).

@@ -36,7 +36,7 @@ def main() -> None:
         if sys.argv[1] == "recipe":
             from nemo_automodel.components.config.loader import load_yaml_config
 
-            from nemo_automodel_ext.recipes.config import validate_recipe_config
+            from nemo_automodel_ext.run.config import validate_recipe_config
 
             cfg = load_yaml_config(
                 str(Path(__file__).resolve().parents[2] / "recipes/deepseek_v41/dspark_tiny_cpu.yaml")

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from nemo_automodel_ext.launch import torchrun_command
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
-from nemo_automodel_ext.recipes.builders import build_packed_draft, check_target_contract, require_v41_checkpoint
-from nemo_automodel_ext.recipes.config import validate_recipe_config
 from nemo_automodel_ext.recipes.dspark_v41 import TrainPackedDSparkV41Recipe
+from nemo_automodel_ext.run.config import validate_recipe_config
+from nemo_automodel_ext.run.loading import build_packed_draft, check_target_contract, require_v41_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
@@ -557,7 +557,7 @@ def test_every_step_is_logged_when_epochs_end_mid_accumulation(uninterrupted):
 
 
 def test_a_target_path_that_names_nothing_is_refused_in_one_line(tmp_path):
-    from nemo_automodel_ext.recipes.builders import require_target_path
+    from nemo_automodel_ext.run.loading import require_target_path
 
     with pytest.raises(ValueError, match="target_model_name_or_path=.*nowhere/target does not exist"):
         require_target_path(str(tmp_path / "nowhere" / "target"), "local")

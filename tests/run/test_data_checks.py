@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer
-from nemo_automodel_ext.recipes.data_checks import check_chat_data
+from nemo_automodel_ext.run.data_checks import check_chat_data
 
 GOOD = {"messages": [{"role": "user", "content": "please copy alpha"}, {"role": "assistant", "content": "alpha"}]}
 
