@@ -28,7 +28,7 @@ def select_packed_anchors(
     seq_lens: torch.Tensor,
     per_document: int,
     max_per_row: int | None = None,
-    with_priority: bool = False,
+    with_cap_order: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """Choose the anchors of packed rows: up to ``per_document`` per document, uniformly.
 
@@ -43,20 +43,21 @@ def select_packed_anchors(
         max_per_row: Optional cap on a row's anchors; when it binds, a uniform subset of the
             chosen anchors is kept (an independent draw: every chosen anchor, of a short or a
             long document, is kept with the same probability).
-        with_priority: Also return the cap's draw, so a part of the row can be capped again
-            with it (``cap_by_priority``: a CP rank's share of the cap).
+        with_cap_order: Also return the cap's draw, so a part of the row can be capped again
+            with it (``cap_by_order``: a CP rank's share of the cap).
 
     Returns:
         New boolean tensor [batch, row - 1]: True at chosen anchor columns; with
-        ``with_priority``, ``(chosen, priority)``: int64 [batch, row - 1], each candidate's place
-        in the cap's uniform order (the cap keeps the lowest), or None without ``max_per_row``.
+        ``with_cap_order``, ``(chosen, cap_order)``: int64 [batch, row - 1], a uniform random
+        permutation of the candidate columns per row (the cap keeps the first chosen ones in this
+        order), or None without ``max_per_row``.
     """
     batch, row = loss_mask.shape
     valid = build_anchor_candidate_mask(seq_len=row, loss_mask=loss_mask, doc_remaining=doc_remaining)
     candidates = valid.shape[1]
     if candidates == 0:
-        priority = None if max_per_row is None else torch.zeros(batch, 0, dtype=torch.long, device=valid.device)
-        return (valid.clone(), priority) if with_priority else valid.clone()
+        cap_order = None if max_per_row is None else torch.zeros(batch, 0, dtype=torch.long, device=valid.device)
+        return (valid.clone(), cap_order) if with_cap_order else valid.clone()
     device = valid.device
     columns = torch.arange(candidates, device=device)
     documents = seq_lens.shape[-1]
@@ -68,28 +69,26 @@ def select_packed_anchors(
     starts = sorted_group != F.pad(sorted_group[:, :-1], (1, 0), value=-1)
     rank = columns - columns.where(starts, 0).cummax(dim=1).values
     chosen = torch.zeros_like(valid).scatter_(1, order, (rank < per_document) & (sorted_group < documents))
-    priority = None
+    cap_order = None
     if max_per_row is not None:
         # A second, independent draw: the first one ranked each document's candidates, so a long
         # document's chosen anchors hold its smallest values and would crowd out a short one's.
         cap_order = torch.rand(batch, candidates, device=device).argsort(dim=1)
-        priority = torch.empty_like(cap_order).scatter_(1, cap_order, columns.expand(batch, -1))
-        chosen = cap_by_priority(chosen, priority, max_per_row)
-    return (chosen, priority) if with_priority else chosen
+        chosen = cap_by_order(chosen, cap_order, max_per_row)
+    return (chosen, cap_order) if with_cap_order else chosen
 
 
-def cap_by_priority(selected: torch.Tensor, priority: torch.Tensor, cap: int) -> torch.Tensor:
-    """Keep at most ``cap`` selected columns a row: those of lowest ``priority``.
+def cap_by_order(selected: torch.Tensor, order: torch.Tensor, cap: int) -> torch.Tensor:
+    """Keep at most ``cap`` selected columns a row: the first ones in ``order``.
 
     Args:
         selected: Boolean [batch, candidates].
-        priority: Distinct int64 ranks [batch, candidates] (a permutation per row).
+        order: int64 [batch, candidates], a permutation of the columns per row.
         cap: Columns kept a row at most.
 
     Returns:
         New boolean [batch, candidates]: a subset of ``selected``.
     """
-    order = priority.argsort(dim=1)
     in_order = selected.gather(1, order)
     return torch.zeros_like(selected).scatter_(1, order, in_order & (in_order.cumsum(dim=1) <= cap))
 
@@ -152,4 +151,4 @@ def block_supervision(
     return label_columns, safe_columns, eval_mask
 
 
-__all__ = ["block_supervision", "cap_by_priority", "compact_anchors", "select_packed_anchors"]
+__all__ = ["block_supervision", "cap_by_order", "compact_anchors", "select_packed_anchors"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nemo_automodel_ext.models.deepseek_v41.anchors import cap_by_priority, compact_anchors
+from nemo_automodel_ext.models.deepseek_v41.anchors import cap_by_order, compact_anchors
 from nemo_automodel_ext.models.deepseek_v41.packing import PackedSequenceLayout, document_bounds, gather_columns
 
 
@@ -94,21 +94,21 @@ class DraftShard:
         self,
         selected: torch.Tensor,
         seq_lens: torch.Tensor,
-        priority: torch.Tensor | None = None,
+        cap_order: torch.Tensor | None = None,
         max_per_row: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The anchors of a caller-coordinate selection that lie in this rank's shard.
 
         With a row cap, this rank keeps at most its share, ``ceil(max_per_row / size)``, chosen by
-        the cap's own uniform order (``priority``): one rank never trains every anchor of a row,
+        the cap's own uniform order (``cap_order``): one rank never trains every anchor of a row,
         and where the share does not bind the CP group trains exactly the CP=1 anchors.
 
         Args:
             selected: Boolean [batch, sequence - 1]: anchors chosen over the whole caller row
                 (``select_packed_anchors``), identical on every CP rank.
             seq_lens: Document lengths [batch, documents] of the caller row.
-            priority: The cap's order [batch, sequence - 1] (``select_packed_anchors``'
-                ``with_priority``); needed with ``max_per_row``.
+            cap_order: The cap's order [batch, sequence - 1] (``select_packed_anchors``'
+                ``with_cap_order``); needed with ``max_per_row``.
             max_per_row: The row's anchor cap, or None (no share).
 
         Returns:
@@ -120,7 +120,7 @@ class DraftShard:
         aligned = self.layout.input_positions[:, : selected.shape[1]]
         mine = selected & (aligned >= self.shard_start) & (aligned < self.shard_stop)
         if max_per_row is not None and self.size > 1:
-            mine = cap_by_priority(mine, priority, -(-max_per_row // self.size))
+            mine = cap_by_order(mine, cap_order, -(-max_per_row // self.size))
         columns, keep = compact_anchors(mine)
         starts = document_bounds(seq_lens, columns).start
         positions = self.layout.input_positions

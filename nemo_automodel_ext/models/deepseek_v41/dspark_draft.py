@@ -144,10 +144,10 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         """The packed anchor draw (default RNG), shared by every rank of a CP group.
 
         Returns:
-            ``select_packed_anchors``' ``(chosen [batch, row - 1] bool, priority or None)``.
+            ``select_packed_anchors``' ``(chosen [batch, row - 1] bool, cap_order or None)``.
         """
         return select_packed_anchors(
-            loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row, with_priority=True
+            loss_mask, doc_remaining, seq_lens, self.anchors_per_document, self.max_anchors_per_row, with_cap_order=True
         )
 
     def forward(
@@ -270,8 +270,8 @@ class DeepseekV41PackedDSparkModel(DeepseekV41DSparkModel):
         _require_shape("target_hidden_states", target_hidden_states, local, "CP DSpark draft (shard + halo): ")
         if target_last_hidden_states is not None:
             _require_shape("target_last_hidden_states", target_last_hidden_states, local, "CP DSpark draft: ")
-        selected, priority = self._select_packed(loss_mask, seq_lens, doc_remaining)
-        anchors, keep, document_starts = shard.own_anchors(selected, seq_lens, priority, self.max_anchors_per_row)
+        selected, cap_order = self._select_packed(loss_mask, seq_lens, doc_remaining)
+        anchors, keep, document_starts = shard.own_anchors(selected, seq_lens, cap_order, self.max_anchors_per_row)
         return self._forward_anchors(
             shard.local(input_ids),
             target_hidden_states,

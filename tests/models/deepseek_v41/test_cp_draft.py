@@ -76,14 +76,14 @@ def test_each_rank_trains_at_most_its_share_of_the_row_cap(lengths, cp, cap, see
     where no share binds, the ranks train exactly the CP=1 anchors."""
     seq_lens, layout, _, remaining = _batch([lengths], 4, cp)
     torch.manual_seed(seed)
-    selected, priority = select_packed_anchors(
-        torch.ones_like(remaining), remaining, seq_lens, 9, max_per_row=cap, with_priority=True
+    selected, cap_order = select_packed_anchors(
+        torch.ones_like(remaining), remaining, seq_lens, 9, max_per_row=cap, with_cap_order=True
     )
     whole = set(layout.input_positions[0, selected[0].nonzero().squeeze(1)].tolist())
     owned, bound = [], False
     for rank in range(cp):
         shard = DraftShard(layout, rank, cp, before=7, after=4)
-        anchors, kept, _ = shard.own_anchors(selected, seq_lens, priority, max_per_row=cap)
+        anchors, kept, _ = shard.own_anchors(selected, seq_lens, cap_order, max_per_row=cap)
         assert int(kept.sum()) <= -(-cap // cp)
         mine = (layout.input_positions[0, :-1][selected[0]] >= shard.shard_start) & (
             layout.input_positions[0, :-1][selected[0]] < shard.shard_stop
@@ -104,8 +104,10 @@ def test_the_share_of_the_cap_is_a_uniform_subset():
     shard = DraftShard(layout, 0, 2, before=7, after=4)
     torch.manual_seed(0)
     for _ in range(2000):
-        selected, priority = select_packed_anchors(loss_mask, remaining, seq_lens, 8, max_per_row=4, with_priority=True)
-        anchors, kept, _ = shard.own_anchors(selected, seq_lens, priority, max_per_row=4)
+        selected, cap_order = select_packed_anchors(
+            loss_mask, remaining, seq_lens, 8, max_per_row=4, with_cap_order=True
+        )
+        anchors, kept, _ = shard.own_anchors(selected, seq_lens, cap_order, max_per_row=4)
         assert int(kept.sum()) == 2
         counts[anchors[kept] + shard.start] += 1
     chosen = counts[counts > 0]
