@@ -5,8 +5,9 @@ Run: ``.venv/bin/python benchmarks/memory_model.py [RECIPE_YAML ...] [--gpus N -
 For each recipe YAML (default: the shipped GPU recipes) it reads the layout (EP, CP, rows,
 anchors, strategy) and prints:
 
-1. the recipe's own estimate, part by part, with its headroom, and the bytes one GPU sends per
-   micro-batch;
+1. the recipe's own estimate: what every phase holds, then each phase's own parts (capture, draft
+   step, optimizer step) with the phase's total, the peak, its headroom, and the bytes one GPU sends
+   per micro-batch;
 2. the per-GPU total for V4.1-Flash rows of 16k, 64k and 128k tokens at CP 1, 2, 4 and 8
    (``*``: fits), CP-native (each rank its shard's features and anchors) next to the
    all-gathered features and full draft on every rank it replaced;
@@ -14,7 +15,8 @@ anchors, strategy) and prints:
 
 The target config is the recipe's when ``target_model_name_or_path`` is a local folder, else
 upstream's ``DeepseekV41TextConfig`` defaults (the released V4.1-Flash). Nothing is downloaded
-or allocated: parameter counts come from meta-device builds (``planning/memory_model.py``).
+or allocated: parameter counts come from meta-device builds, activation bytes from the measured
+``planning/calibration.json`` (``benchmarks/memory_calibration.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPES = {  # ranks and GiB a GPU each shipped GPU recipe is laid out for
     "dspark_flash_h200_4node_cp.yaml": (32, 141),
-    "dspark_flash_h100_8node_cp.yaml": (64, 80),
+    "dspark_flash_h100_32node_cp.yaml": (256, 80),
 }
 
 
@@ -64,9 +66,17 @@ def main() -> None:
             f"{counts.draft_trainable / 1e9:.1f}B trainable + {counts.draft_frozen / 1e9:.1f}B frozen"
         )
         print("\n| per GPU | GiB |\n| --- | ---: |")
+        own = result.phases[result.peak_phase]
         for name, value in result.memory.items():
-            print(f"| {name} | {value / GIB:.2f} |")
-        print(f"| **total** | **{result.total / GIB:.1f}** |")
+            if name not in own:
+                print(f"| {name} | {value / GIB:.2f} |")
+        for phase, parts in result.phases.items():
+            mark = " (the peak)" if phase == result.peak_phase else ""
+            print(f"| *{phase}{mark}: {result.phase_total(phase) / GIB:.1f} in all* | |")
+            for name, value in parts.items():
+                if value:
+                    print(f"| &nbsp;&nbsp;{name} | {value / GIB:.2f} |")
+        print(f"| **total (peak phase: {result.peak_phase})** | **{result.total / GIB:.1f}** |")
         print(f"| usable ({gib:g} GiB x 0.92) | {result.usable / GIB:.1f} |")
         print(f"| headroom | {result.headroom / GIB:.1f} |")
         print("\n| sent per GPU per micro-batch | MiB |\n| --- | ---: |")

@@ -1,16 +1,24 @@
-"""Per-GPU memory and per-step communication of packed DSpark on a V4.1 target: a model on paper.
+"""Per-GPU memory and per-step communication of packed DSpark on a V4.1 target, calibrated by measurement.
 
-``estimate(counts, layout)`` adds up, per GPU and per micro-batch, what a layout of the recipe
-holds: the frozen target's resident shards and the FSDP units gathered during its forward, the
-target's forward activations, the captured features (CP-native: shard + halos), the draft's
-logits and layer inputs, its parameters, gradients and AdamW state, and a fixed runtime
-reserve; and the bytes each GPU sends. ``check_layout_fits`` is the recipe's refusal, run before
-anything is loaded. ``docs/scaling.md`` holds the tables (``benchmarks/memory_model.py``).
+``estimate(counts, layout)`` gives, per GPU and per micro-batch, the peak of a step: what every phase
+holds (the frozen target's shards, the draft's sharded parameters, gradients and AdamW state, a
+deferred sync's unsharded gradients, a runtime reserve) plus the largest of the phases' own bytes:
 
-Parameter counts come from the target config: routed experts and Engram tables by formula
-(tested equal to meta-device counts), the rest by building the model on the meta device
-without its Engram tables (no memory, ~0.2 s). Activation bytes per token are formulas of the
-config's widths; the assumptions are spelled out where they are used.
+- capture: the target's FSDP units gathered during its forward, and the capture's activations;
+- draft step: the captured features (CP-native: shard + halos), the draft's forward, loss and backward
+  activations, and FSDP2's per-layer buffers (two gathered layers, one layer's unsharded gradients and
+  their fp32 reduce-scatter input, the root unit kept gathered);
+- optimizer step: AdamW's transient bytes.
+
+Activation, gradient and optimizer bytes are the coefficients of ``calibration.json``: fits to bytes
+counted while upstream's modules and the plugin's capture and draft step ran at V4.1-Flash widths
+(``planning/calibration.py``, ``benchmarks/memory_calibration.py``). FSDP2's buffers and the resident
+shards come from parameter counts and FSDP2's code path. ``check_layout_fits`` is the recipe's refusal,
+run before anything is loaded. ``docs/scaling.md`` holds the tables (``benchmarks/memory_model.py``).
+
+Parameter counts come from the target config: routed experts and Engram tables by formula (tested
+equal to meta-device counts), the rest by building the model on the meta device without its Engram
+tables (no memory, ~0.2 s).
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ class ModelCounts:
         draft_trainable: Trainable draft parameters (embedding and head frozen).
         draft_frozen: Frozen draft parameters (embedding and head copies).
         draft_layer: Parameters of the draft's largest layer (its FSDP unit).
-        widths: Config widths used by the activation formulas.
+        draft_root: Draft parameters outside its layers (embedding, head, fc, norms, Markov and confidence
+            heads: FSDP2's root unit).
+        widths: Config widths the calibration must match.
     """
 
     experts: int
@@ -56,6 +66,7 @@ class ModelCounts:
     draft_trainable: int
     draft_frozen: int
     draft_layer: int
+    draft_root: int = 0
     widths: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -120,6 +131,7 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
         draft_trainable=draft_total - frozen,
         draft_frozen=frozen,
         draft_layer=max(sum(p.numel() for p in layer.parameters()) for layer in draft.layers),
+        draft_root=draft_total - sum(p.numel() for layer in draft.layers for p in layer.parameters()),
         widths={
             "hidden": int(text.hidden_size),
             "hc_mult": int(text.hc_mult),
@@ -129,6 +141,7 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
             "o_groups": int(text.o_groups),
             "topk": int(text.num_experts_per_tok),
             "moe_inter": int(text.moe_intermediate_size),
+            "draft_topk": int(text.dspark_num_experts_per_tok),
             "vocab": int(text.vocab_size),
             "window": int(text.sliding_window),
             "block": int(text.dspark_block_size),
@@ -173,18 +186,78 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """Measured bytes the model scales (``planning/calibration.json``; see ``planning/calibration.py``).
+
+    Attributes:
+        capture: ``(a, b, c)``: a capture's peak is ``a + b x local tokens + c x local tokens x row tokens``
+            a row.
+        captured: Bytes a captured column hands to the draft (features and last hidden state).
+        draft_step: ``(a, b, c)``: a draft step's peak is ``a + b x anchors + c x feature columns``.
+        draft_gradients: Gradient bytes per trainable draft parameter.
+        optimizer_state: AdamW state bytes per trainable parameter (bf16 moments).
+        optimizer_transient: Bytes per trainable parameter alive during AdamW's step beyond its state.
+        widths: The config widths measured; the model refuses other widths.
+    """
+
+    capture: tuple[float, float, float]
+    captured: float
+    draft_step: tuple[float, float, float]
+    draft_gradients: float
+    optimizer_state: float
+    optimizer_transient: float
+    widths: dict[str, int]
+
+    @classmethod
+    def shipped(cls) -> Calibration:
+        """The calibration shipped with the package."""
+        from nemo_automodel_ext.planning.calibration import load_calibration
+
+        record = load_calibration()
+        coefficients = record["coefficients"]
+        return cls(
+            capture=tuple(coefficients["capture"]),
+            captured=coefficients["captured"][1],
+            draft_step=tuple(coefficients["draft_step"]),
+            draft_gradients=coefficients["draft_gradients"][0],
+            optimizer_state=coefficients["optimizer_state"][0],
+            optimizer_transient=coefficients["optimizer_transient"][0],
+            widths=dict(record["widths"]),
+        )
+
+    def mismatches(self, widths: dict[str, int]) -> str:
+        """The widths of ``widths`` that differ from the measured ones, listed (empty when none does)."""
+        differ = {key: (widths.get(key), value) for key, value in self.widths.items() if widths.get(key) != value}
+        return ", ".join(f"{key} {got} (calibrated {want})" for key, (got, want) in sorted(differ.items()))
+
+    def require(self, widths: dict[str, int]) -> None:
+        """Refuse ``widths`` other than the measured ones (activation bytes scale with them)."""
+        listed = self.mismatches(widths)
+        if listed:
+            raise ValueError(
+                f"the memory model is calibrated at V4.1-Flash widths; this target differs: {listed}; "
+                "measure it with `python benchmarks/memory_calibration.py` (docs/scaling.md)"
+            )
+
+
+@dataclass(frozen=True)
 class Estimate:
     """Per-GPU bytes held at the peak of a micro-batch and bytes sent per micro-batch.
 
     Attributes:
-        memory: Named parts (bytes) whose sum is the peak estimate.
+        memory: Named parts (bytes) whose sum is the peak estimate: what every phase holds plus the
+            peak phase's own parts.
         traffic: Named bytes one GPU sends per micro-batch.
         layout: The layout estimated.
+        phases: Each phase's own parts (bytes), by phase.
+        peak_phase: The phase whose parts are in ``memory``.
     """
 
     memory: dict[str, float]
     traffic: dict[str, float]
     layout: Layout
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    peak_phase: str = ""
 
     @property
     def total(self) -> float:
@@ -203,21 +276,10 @@ class Estimate:
         """Usable bytes left (negative when the layout does not fit)."""
         return self.usable - self.total
 
-
-def target_activation_bytes_per_token(widths: dict[str, int]) -> float:
-    """Peak forward activation bytes of one local token in a no-grad bf16 V4.1 layer.
-
-    Counted: the HC residual streams (in, out and the layer's branch: 3 x hc_mult x hidden), the
-    attention transients (queries and outputs heads x head_dim, the grouped output projection
-    o_groups x o_lora_rank), and the MoE transients (top-k dispatched copies in and out, the
-    experts' gate/up [topk, 2 x inter]). Not counted: attention scores, which the TileLang kernels
-    compute in tiles; the indexer is ``indexer_bytes``.
-    """
-    w = widths
-    residual = 3 * w["hc_mult"] * w["hidden"]
-    attention = 2 * w["heads"] * w["head_dim"] + w["o_groups"] * w["o_lora_rank"]
-    moe = 2 * w["topk"] * w["hidden"] + 2 * w["topk"] * w["moe_inter"]
-    return BF16 * (residual + max(attention, moe))
+    def phase_total(self, phase: str) -> float:
+        """Bytes a GPU holds during ``phase``: every phase's resident parts plus the phase's own."""
+        own = self.phases[self.peak_phase]
+        return self.total - sum(own.values()) + sum(self.phases[phase].values())
 
 
 def indexer_bytes(
@@ -257,46 +319,75 @@ def indexer_bytes(
     return rows * (5 * tile * band + local * band) + 8 * min(CHUNK_ELEMENTS, rows * tile * band)
 
 
-def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
-    """Per-GPU memory and traffic of ``layout`` (see the module docstring for what is counted).
+def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | None = None) -> Estimate:
+    """Per-GPU peak memory and traffic of ``layout`` (see the module docstring for what is counted).
 
     Args:
         counts: ``model_counts`` of the target and draft.
         layout: The layout.
+        calibration: Measured coefficients (default: the shipped ``Calibration``).
 
     Returns:
         Estimate with named parts in bytes.
+
+    Raises:
+        ValueError: when ``counts`` has widths other than the calibration's.
     """
+    calibration = calibration or Calibration.shipped()
+    calibration.require(counts.widths)
     w, g = counts.widths, layout.gpus
     local_tokens = layout.rows * layout.row_tokens / layout.cp
     feature_width = (w["feature_layers"] + 1) * w["hidden"]
     gathered_experts = counts.expert_layer / layout.ep if layout.ep < g else 0
     anchors = math.ceil(layout.anchors_per_row / layout.cp) if layout.cp_native else layout.anchors_per_row
-    draft_tokens = layout.rows * anchors * w["block"]
     if layout.cp_native and layout.cp > 1:
         feature_columns = layout.row_tokens / layout.cp + w["window"] + w["block"]
     else:
         feature_columns = layout.row_tokens
-    draft_replicas = g if layout.strategy == "fsdp2" else 1
-    deferred = layout.strategy == "fsdp2" and layout.defer_grad_sync and layout.grad_accumulation > 1
+    fsdp = layout.strategy == "fsdp2"
+    draft_replicas = g if fsdp else 1
+    deferred = fsdp and layout.defer_grad_sync and layout.grad_accumulation > 1
+    per_parameter = BF16 + calibration.draft_gradients + calibration.optimizer_state
     memory = {
         "target shards (bf16)": BF16 * counts.target / g,
-        "target gathered units": 2 * BF16 * (counts.dense_unit + gathered_experts),
-        "target activations": local_tokens * target_activation_bytes_per_token(w),
-        "target indexer (one layer)": indexer_bytes(layout.rows, layout.row_tokens, layout.cp, w["min_ratio"]),
-        "captured features": BF16 * layout.rows * feature_columns * feature_width,
-        # fp32 draft logits, the teacher's aligned logits and the logits' gradient.
-        "draft logits": 3 * FP32 * draft_tokens * w["vocab"],
-        # Checkpointed layer inputs plus one layer's recompute (HC streams, attention, MoE).
-        "draft activations": BF16 * draft_tokens * w["hidden"] * (w["draft_layers"] + 3 * w["hc_mult"] + 2 * w["topk"]),
-        # bf16 parameters and gradients, fp32 AdamW moments; frozen embedding and head in bf16.
-        "draft params + grads + AdamW": (12 * counts.draft_trainable + BF16 * counts.draft_frozen) / draft_replicas,
-        # FSDP2 gathers a whole draft layer (its routed experts included) and prefetches the next.
-        "draft gathered layers": 2 * BF16 * counts.draft_layer if layout.strategy == "fsdp2" else 0,
+        # Sharded bf16 parameters and gradients, bf16 AdamW moments (measured); frozen embedding and head.
+        "draft params + grads + AdamW": (per_parameter * counts.draft_trainable + BF16 * counts.draft_frozen)
+        / draft_replicas,
         # A deferred sync keeps every trainable parameter's unsharded fp32 gradient until the last micro-batch.
         "deferred draft gradients (unsharded fp32)": FP32 * counts.draft_trainable if deferred else 0,
         "runtime reserve": RUNTIME_RESERVE_GIB * GIB,
     }
+    capture_a, capture_b, capture_c = calibration.capture
+    step_a, step_b, step_c = calibration.draft_step
+    phases = {
+        "capture": {
+            "target gathered units": 2 * BF16 * (counts.dense_unit + gathered_experts),
+            "capture activations (measured)": capture_a
+            + capture_b * local_tokens
+            + capture_c * local_tokens * layout.row_tokens,
+        },
+        "draft step": {
+            "captured features (measured)": calibration.captured * layout.rows * feature_columns,
+            "draft activations and logits (measured)": step_a
+            + step_b * layout.rows * anchors
+            + step_c * layout.rows * feature_columns,
+            # FSDP2's backward: this layer's and the prefetched layer's gathered bf16 parameters ...
+            "draft gathered layers (FSDP2)": 2 * BF16 * counts.draft_layer if fsdp else 0,
+            # ... the layer's unsharded bf16 gradients and their fp32 copy, the reduce-scatter input ...
+            "draft layer gradients + fp32 reduce-scatter input (FSDP2)": (BF16 + FP32) * counts.draft_layer
+            if fsdp
+            else 0,
+            # ... and the root unit, which FSDP2 does not reshard after forward.
+            "draft root unit (FSDP2)": BF16 * counts.draft_root if fsdp else 0,
+            # DDP reduces gradients through buckets of their size.
+            "DDP gradient buckets": 0 if fsdp else calibration.draft_gradients * counts.draft_trainable,
+        },
+        "optimizer step": {
+            "AdamW step (measured)": calibration.optimizer_transient * counts.draft_trainable / draft_replicas,
+        },
+    }
+    peak_phase = max(phases, key=lambda phase: sum(phases[phase].values()))
+    memory.update(phases[peak_phase])
     peers = (g - 1) / g
     traffic = {
         "target FSDP all-gather": BF16
@@ -332,26 +423,35 @@ def estimate(counts: ModelCounts, layout: Layout) -> Estimate:
         if layout.strategy == "fsdp2"
         else 2 * FP32 * counts.draft_trainable * peers,
     }
-    return Estimate(memory, traffic, layout)
+    return Estimate(memory, traffic, layout, phases, peak_phase)
 
 
-def candidate_layouts(layout: Layout) -> list[Layout]:
-    """Layouts near ``layout``, nearest first: more CP at the same GPUs, then more nodes, then EP."""
+def candidate_layouts(layout: Layout, experts: int | None = None) -> list[Layout]:
+    """Layouts near ``layout``, nearest first: more CP at the same GPUs, then more nodes, then EP.
+
+    Args:
+        layout: The layout to start from.
+        experts: Routed experts a layer; an EP size must divide them (None: any EP size).
+    """
     candidates = []
     for nodes_factor in (1, 2, 4, 8):
         gpus = layout.gpus * nodes_factor
         for cp in (layout.cp, 2 * layout.cp, 4 * layout.cp, 8 * layout.cp):
             if gpus % cp:
                 continue
-            for ep in sorted({layout.ep * nodes_factor, gpus, layout.ep}, reverse=True):
-                if ep <= gpus and gpus % ep == 0:
+            sizes = {layout.ep * nodes_factor, gpus, layout.ep}
+            sizes |= {ep // 2 for ep in sizes}
+            for ep in sorted(sizes, reverse=True):
+                if ep <= gpus and gpus % ep == 0 and (experts is None or experts % ep == 0):
                     candidates.append(replace(layout, gpus=gpus, cp=cp, ep=ep))
     return candidates
 
 
 def nearest_fitting(counts: ModelCounts, layout: Layout, margin: float = 0.1) -> Estimate | None:
     """The first of ``candidate_layouts`` that fits with ``margin`` of its usable memory to spare, or None."""
-    for candidate in candidate_layouts(layout):
+    per_expert = 3 * counts.widths["hidden"] * counts.widths["moe_inter"]
+    experts = counts.expert_layer // per_expert if counts.expert_layer and per_expert else None
+    for candidate in candidate_layouts(layout, experts):
         fitted = estimate(counts, candidate)
         if fitted.headroom >= margin * fitted.usable:
             return fitted
@@ -413,13 +513,15 @@ def check_layout_fits(counts: ModelCounts, layout: Layout) -> Estimate:
         else "no layout up to 8x the GPUs fits; shorten recipe_args.packed_sequence_size"
     )
     raise ValueError(
-        f"this layout needs about {result.total / GIB:.1f} GiB a GPU ({biggest} GiB), more than the "
+        f"this layout needs about {result.total / GIB:.1f} GiB a GPU at its {result.peak_phase} ({biggest} GiB), "
+        "more than the "
         f"{result.usable / GIB:.1f} GiB usable of {layout.gpu_gib:g} GiB ({describe(layout)}); {suggestion} "
         "(memory model: docs/scaling.md)"
     )
 
 
 __all__ = [
+    "Calibration",
     "Estimate",
     "Layout",
     "ModelCounts",
@@ -430,5 +532,4 @@ __all__ = [
     "model_counts",
     "nearest_fitting",
     "routed_expert_parameters",
-    "target_activation_bytes_per_token",
 ]

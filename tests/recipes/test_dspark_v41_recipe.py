@@ -31,7 +31,7 @@ RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 LAUNCH = {
     "dspark_tiny_cpu.yaml": (1, "cpu"),
     "dspark_flash_h200_4node_cp.yaml": (32, "cuda"),
-    "dspark_flash_h100_8node_cp.yaml": (64, "cuda"),
+    "dspark_flash_h100_32node_cp.yaml": (256, "cuda"),
 }
 
 

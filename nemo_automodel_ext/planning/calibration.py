@@ -1,0 +1,361 @@
+"""Measured per-token and per-anchor bytes of packed DSpark at V4.1-Flash widths: what the memory model is fitted to.
+
+The memory model's activation terms are not formulas of the config: they are least-squares fits to
+bytes counted by ``allocations.LiveBytes`` while upstream's modules and the plugin's capture and draft
+step run on CPU at the real V4.1-Flash widths (hidden 5120, 64 heads of 512, HC 4 streams, top-6 of
+experts 2304 wide, vocab 129280), bf16, on single-document rows of a few short lengths:
+
+- ``capture``: the plugin's capture (``DeepseekV41DSparkTargetModel.generate_batch``, no grad) through a
+  5-layer target holding one layer of each V4.1 kind (sliding window; compressed ratio 2 with its KV and
+  index source; ratio 1 with the candidate source; a hierarchical reindex layer; a reuse layer) with the
+  feature layers 2-4: peak bytes above the weights, fitted ``a + b T + c T^2`` in the row's tokens. The 40
+  Flash layers carry the same state from layer to layer (one residual stream, one compressed KV, one
+  candidate set, three feature layers) as these 5, so the peak of 5 is the peak of 40.
+- ``captured``: bytes the capture hands to the draft (features and last hidden state), ``b T``.
+- ``draft_step``: the draft's forward, DSpark loss and backward (activation checkpointing on, as the
+  recipes set it) on one ``T``-token document with ``A`` anchors of the Flash block: peak above the
+  parameters and the captured inputs, each gradient dropped once accumulated (FSDP2 frees it once
+  reduce-scattered), fitted ``a + b A + c T``.
+- ``draft_gradients``: bytes of gradients the backward leaves, per trainable draft parameter.
+- ``optimizer``: AdamW state per parameter after a step on bf16 parameters, and the step's transient
+  bytes per parameter.
+
+Stand-ins (``cpu_stand_ins``): TileLang's indexer-score and sparse-attention kernels, which allocate their
+outputs only (their tiles live in on-chip memory), are replaced by functions allocating exactly those
+outputs; the HC Sinkhorn runs its torch path ([tokens, 4, 4] either way); the MoE activation, compiled on
+GPU, runs eagerly (its fp32 gate and up copies are counted: an over-count of at most 55 KiB a token). The
+target has 8 routed experts a layer instead of 384, the draft 8 instead of 128 (activations depend on the
+top-6 and top-3, not on the expert count; the routers' fp32 logits add 1.5 KiB a target token and 0.5 KiB
+a draft token, not counted), and no Engram layer.
+``benchmarks/memory_calibration.py`` measures and writes ``calibration.json``; ``tests/planning`` re-measures
+the first point of every phase and pins each coefficient to the stored measurements.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
+
+import torch
+
+from nemo_automodel_ext.planning.allocations import LiveBytes
+
+CALIBRATION_FILE = "calibration.json"
+TOKENS = (1024, 2048, 4096, 8192)  # single-document rows of the capture phase
+# (anchors, document tokens) of the draft-step phase: at 64 anchors and more the step's peak is the loss's
+# backward, whose bytes grow with the anchors (below it is the frozen head's fp32 copy, a constant).
+DRAFT_STEPS = ((64, 2048), (128, 2048), (256, 2048), (64, 4096), (64, 8192))
+EXPERTS = 8  # routed experts a layer (the released 384 change no activation but the router's logits)
+FLASH_OVERRIDES: dict[str, Any] = {
+    "num_hidden_layers": 5,
+    "compress_ratios": [0, 2, 1, 1, 1, 0, 0, 0],
+    "kv_source_layer_ids": [1, 2],
+    "index_source_layer_ids": [1, 2, 3],
+    "candidate_source_layer_id": 2,
+    "engram_layer_ids": [],
+    "engram_num_embeddings": [],
+    "n_routed_experts": EXPERTS,
+    "dspark_n_routed_experts": EXPERTS,
+    "dspark_target_layer_ids": [2, 3, 4],
+}
+
+
+def calibration_config():
+    """The 5-layer V4.1 config at released V4.1-Flash widths (``DeepseekV41Config``)."""
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41TextConfig
+
+    text = DeepseekV41TextConfig().to_dict()
+    text.update(FLASH_OVERRIDES)
+    return DeepseekV41Config(text_config=text, vision_config={"num_hidden_layers": 0})
+
+
+@contextlib.contextmanager
+def cpu_stand_ins() -> Iterator[None]:
+    """Upstream's CUDA-only kernels replaced by CPU functions allocating what the kernels allocate.
+
+    Active only inside the ``with`` block (build and measure inside it); upstream is restored after.
+    """
+    from unittest import mock
+
+    from nemo_automodel.components.models.deepseek_v41 import attention
+    from nemo_automodel.components.moe import experts
+
+    def indexer_scores(queries, keys, weights, allowed):  # [batch, queries, keys] fp32, like the kernel
+        return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
+
+    def sparse_attention(query, kv, sinks, indices, scale, **_):  # [batch, queries, heads, head_dim]
+        return torch.zeros_like(query)
+
+    eager_swiglu = getattr(experts.swiglu_clamped_deepep, "_torchdynamo_orig_callable", experts.swiglu_clamped_deepep)
+    with (
+        mock.patch.object(attention, "indexer_scores", indexer_scores),
+        mock.patch.object(attention, "dsv4_sparse_attention", sparse_attention),
+        mock.patch.object(experts, "swiglu_clamped_deepep", eager_swiglu),
+        mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _FusedAttention.apply_sdpa),
+    ):
+        yield
+
+
+class _FusedAttention(torch.autograd.Function):
+    """CUDA's fused SDPA (flash or memory-efficient) by what it allocates: the output and an fp32 log-sum-exp a
+    query row forward; the inputs' gradients backward. CPU's math SDPA would materialise fp32 [queries, keys]
+    probabilities per head, which the GPU kernels never hold."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask):
+        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
+        lse = torch.zeros(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
+
+    @staticmethod
+    def apply_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        return _FusedAttention.apply(query, key, value, attn_mask)
+
+
+def _initialise(module: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.is_floating_point():
+                parameter.normal_(0.0, 0.02, generator=generator)
+        for buffer in module.buffers():
+            if buffer.is_floating_point():
+                buffer.zero_()
+
+
+def build_calibration_target(seed: int = 0):
+    """The calibration target in bf16 on CPU, eval mode, with the plugin's packed indexer (inside ``cpu_stand_ins``)."""
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
+    from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
+
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(calibration_config(), backend=cpu_backend(attn="tilelang"))
+    model = model.to_empty(device="cpu")  # the config's dtypes: bf16, fp32 where upstream keeps it
+    _initialise(model, seed)
+    for module in model.modules():
+        if hasattr(module, "sinkhorn_backend"):
+            module.sinkhorn_backend = "torch"
+    install_packed_indexer(model)
+    return model.eval()
+
+
+def _document(tokens: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab - 16, (1, tokens), generator=generator)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(tokens).unsqueeze(0),
+        "seq_lens": torch.tensor([[tokens]]),
+        "doc_remaining": torch.arange(tokens - 1, -1, -1).unsqueeze(0),
+    }
+
+
+def measure_capture(target, tokens: int) -> dict[str, int]:
+    """Bytes of one capture of a ``tokens``-token document (inside ``cpu_stand_ins``).
+
+    Args:
+        target: ``build_calibration_target()``.
+        tokens: Tokens of the document (one row).
+
+    Returns:
+        ``{"peak": bytes, "captured": bytes}``: the most bytes alive at once during the capture and those its
+        result holds (features and last hidden state), both above the weights and the batch.
+    """
+    from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
+
+    text = target.config.text_config
+    wrapper = DeepseekV41DSparkTargetModel(target, list(text.dspark_target_layer_ids))
+    batch = _document(tokens, int(text.vocab_size), seed=tokens)
+    with LiveBytes() as tape:
+        captured = wrapper.generate_batch(**batch)
+        peak = tape.peak
+        tape.reset_peak()
+    del captured
+    return {"peak": peak, "captured": tape.current}
+
+
+def build_calibration_draft(anchors: int, seed: int = 1):
+    """The released Flash draft (3 layers, block 5) at the calibration widths, bf16, checkpointed.
+
+    Returns:
+        ``PackedDSparkTrainerModule`` around a packed draft with a frozen embedding and head (random: the
+        values change no allocation) and the Flash recipes' loss weights.
+    """
+    from nemo_automodel.components.models.common.utils import cast_model_to_dtype
+    from nemo_automodel.recipes.llm._spec_train_utils import apply_draft_activation_checkpointing
+
+    from nemo_automodel_ext.models.deepseek_v41.cp_trainer import PackedDSparkTrainerModule
+    from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
+    from nemo_automodel_ext.models.deepseek_v41.tiny import released_draft_options
+
+    text = calibration_config().text_config
+    with torch.device("meta"):
+        draft = DeepseekV41PackedDSparkModel.from_options(
+            released_draft_options(text, num_anchors=anchors), anchors_per_document=anchors
+        )
+    draft = draft.to_empty(device="cpu")
+    cast_model_to_dtype(draft, torch.bfloat16)  # as the recipe on CUDA
+    _initialise(draft, seed)
+    draft.set_embedding_head_trainable(False)
+    apply_draft_activation_checkpointing(draft, True)
+    return PackedDSparkTrainerModule(
+        draft, loss_decay_gamma=None, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
+    ).train()
+
+
+def measure_draft_step(trainer, anchors: int, tokens: int) -> dict[str, float]:
+    """Bytes of one draft step (forward, loss, backward) with ``anchors`` anchors on a ``tokens``-token document.
+
+    Args:
+        trainer: ``build_calibration_draft()``; its gradients are dropped before and after.
+        anchors: Anchors of the document.
+        tokens: Tokens of the document (the captured features' length).
+
+    Each parameter's gradient is dropped as soon as it is accumulated, as FSDP2 frees a layer's unsharded
+    gradient once reduce-scattered (the model adds those per-layer buffers from FSDP2's code path).
+
+    Returns:
+        ``{"peak": bytes, "gradients": bytes a trainable parameter}``: the most bytes alive at once above
+        the parameters and the captured inputs, and the gradient bytes the backward produced per parameter.
+    """
+    text = trainer.draft_model.config
+    batch = _document(tokens, int(text.vocab_size), seed=anchors)
+    generator = torch.Generator().manual_seed(anchors)
+    width = len(text.dspark_target_layer_ids) * int(text.hidden_size)
+    features = torch.randn(1, tokens, width, generator=generator).to(torch.bfloat16)
+    last = torch.randn(1, tokens, int(text.hidden_size), generator=generator).to(torch.bfloat16)
+    trainer.zero_grad(set_to_none=True)
+    trainer.draft_model.anchors_per_document = anchors
+    gradient_bytes = []
+
+    def reduce_scatter(parameter: torch.Tensor) -> None:  # FSDP2 frees a layer's unsharded gradient once reduced
+        if parameter.grad is not None:
+            gradient_bytes.append(parameter.grad.untyped_storage().nbytes())
+            parameter.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(reduce_scatter) for p in trainer.parameters() if p.requires_grad]
+    torch.manual_seed(anchors)
+    try:
+        with LiveBytes() as tape:
+            metrics = trainer(
+                batch["input_ids"],
+                features,
+                batch["loss_mask"],
+                last,
+                batch["position_ids"],
+                batch["seq_lens"],
+                batch["doc_remaining"],
+            )
+            metrics.loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    trainable = sum(p.numel() for p in trainer.parameters() if p.requires_grad)
+    return {"peak": tape.peak, "gradients": sum(gradient_bytes) / trainable}
+
+
+def measure_optimizer(parameters: int = 1 << 22) -> dict[str, float]:
+    """AdamW (upstream's optimizer builder default, ``torch.optim.AdamW``) on ``parameters`` bf16 parameters.
+
+    Returns:
+        ``{"state": bytes a parameter after the first step, "transient": bytes a parameter alive at once
+        during it beyond the state}``.
+    """
+    weight = torch.nn.Parameter(torch.zeros(parameters, dtype=torch.bfloat16))
+    weight.grad = torch.ones_like(weight)
+    optimizer = torch.optim.AdamW([weight], lr=1e-4)
+    with LiveBytes() as tape:
+        optimizer.step()
+    held = [value for value in optimizer.state[weight].values() if isinstance(value, torch.Tensor)]
+    state = sum(value.untyped_storage().nbytes() for value in held)
+    return {"state": state / parameters, "transient": (tape.peak - state) / parameters}
+
+
+def fit(points: list[list[float]], degree: int = 1) -> list[float]:
+    """Least-squares coefficients through measured points, in float64.
+
+    Args:
+        points: ``[x, bytes]`` rows (one variable: ``bytes = a + b x + c x^2 ...`` up to ``degree``) or
+            ``[x, y, bytes]`` rows (two variables, ``degree`` 1: ``bytes = a + b x + c y``).
+        degree: Polynomial degree of the one-variable fit.
+
+    Returns:
+        ``[a, b, ...]``.
+    """
+    values = torch.tensor(points, dtype=torch.float64)
+    variables, measured = values[:, :-1], values[:, -1:]
+    if variables.shape[1] == 1:
+        design = torch.cat([variables**k for k in range(degree + 1)], dim=1)
+    else:
+        design = torch.cat([torch.ones_like(variables[:, :1]), variables], dim=1)
+    return torch.linalg.lstsq(design, measured).solution.squeeze(1).tolist()
+
+
+def calibrate(log=print) -> dict[str, Any]:
+    """Measure every phase and fit it (about 3 minutes on 2 cores, 12 GB of memory). Returns the calibration record."""
+    points: dict[str, list[list[float]]] = {"capture": [], "captured": [], "draft_step": [], "draft_gradients": []}
+    with cpu_stand_ins():
+        target = build_calibration_target()
+        for tokens in TOKENS:
+            measured = measure_capture(target, tokens)
+            points["capture"].append([tokens, measured["peak"]])
+            points["captured"].append([tokens, measured["captured"]])
+            log(f"capture {tokens} tokens: peak {measured['peak'] / 2**20:.1f} MiB")
+        del target
+        trainer = build_calibration_draft(DRAFT_STEPS[0][0])
+        for anchors, tokens in DRAFT_STEPS:
+            measured = measure_draft_step(trainer, anchors, tokens)
+            points["draft_step"].append([anchors, tokens, measured["peak"]])
+            points["draft_gradients"].append([anchors, tokens, measured["gradients"]])
+            log(f"draft step {anchors} anchors, {tokens} tokens: peak {measured['peak'] / 2**20:.1f} MiB")
+    optimizer = measure_optimizer()
+    from nemo_automodel_ext.planning.memory_model import model_counts
+
+    return {
+        "torch": torch.__version__.split("+")[0],
+        "config": {"widths": "DeepseekV41TextConfig() (V4.1-Flash)", **FLASH_OVERRIDES},
+        "widths": model_counts(calibration_config().text_config).widths,
+        "points": points,
+        "coefficients": {
+            "capture": fit(points["capture"], 2),
+            "captured": fit(points["captured"], 1),
+            "draft_step": fit(points["draft_step"]),
+            "draft_gradients": [max(p[-1] for p in points["draft_gradients"])],
+            "optimizer_state": [optimizer["state"]],
+            "optimizer_transient": [optimizer["transient"]],
+        },
+    }
+
+
+def load_calibration() -> dict[str, Any]:
+    """The shipped calibration record (``planning/calibration.json``, from ``benchmarks/memory_calibration.py``)."""
+    return json.loads(resources.files(__package__).joinpath(CALIBRATION_FILE).read_text())
+
+
+__all__ = [
+    "DRAFT_STEPS",
+    "TOKENS",
+    "build_calibration_draft",
+    "build_calibration_target",
+    "calibrate",
+    "calibration_config",
+    "cpu_stand_ins",
+    "fit",
+    "load_calibration",
+    "measure_capture",
+    "measure_draft_step",
+    "measure_optimizer",
+]

@@ -1,0 +1,126 @@
+"""The memory model's measured coefficients: the tape that counts them, the fit, and a re-measurement."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from nemo_automodel_ext.planning.allocations import LiveBytes, peak_bytes
+from nemo_automodel_ext.planning.calibration import (
+    DRAFT_STEPS,
+    TOKENS,
+    build_calibration_draft,
+    build_calibration_target,
+    cpu_stand_ins,
+    fit,
+    load_calibration,
+    measure_capture,
+    measure_draft_step,
+    measure_optimizer,
+)
+from nemo_automodel_ext.planning.memory_model import Calibration, Layout, estimate, model_counts
+
+MIB = 2**20
+
+
+def test_live_bytes_counts_new_storages_and_frees():
+    weight = torch.randn(256, 256, requires_grad=True)  # made before the tape: never counted
+    matrix = 256 * 256 * 4
+    with LiveBytes() as tape:
+        view = weight.t()
+        weight.data.mul_(1.0)
+        assert tape.current == 0  # views and in-place results own no new storage
+        hidden = (weight @ weight).relu()  # the product dies once relu ran; relu's output is saved
+        loss = hidden.sum()
+        assert tape.peak == 2 * matrix and tape.current == matrix + 4
+        del hidden, view
+        assert tape.current == matrix + 4  # relu saved its output for backward
+        loss.backward()
+    assert tape.current >= matrix  # weight.grad was created inside
+    peak, held, result = peak_bytes(lambda: torch.ones(1024).add(1))
+    assert (peak, held, result.numel()) == (8192, 4096, 1024)
+
+
+def test_coefficients_are_the_fit_of_the_stored_measurements():
+    record = load_calibration()
+    points, coefficients = record["points"], record["coefficients"]
+    assert fit(points["capture"], 2) == pytest.approx(coefficients["capture"], rel=1e-9)
+    assert fit(points["captured"], 1) == pytest.approx(coefficients["captured"], rel=1e-9, abs=1e-3)
+    assert fit(points["draft_step"]) == pytest.approx(coefficients["draft_step"], rel=1e-9)
+    assert coefficients["draft_gradients"] == [max(p[-1] for p in points["draft_gradients"])]
+    # Each measured point is reproduced by its fit within 2%.
+    a, b, c = coefficients["capture"]
+    for tokens, measured in points["capture"]:
+        assert a + b * tokens + c * tokens * tokens == pytest.approx(measured, rel=0.02)
+    a, b, c = coefficients["draft_step"]
+    for anchors, tokens, measured in points["draft_step"]:
+        assert a + b * anchors + c * tokens == pytest.approx(measured, rel=0.02)
+    assert [p[0] for p in points["capture"]] == list(TOKENS)
+    assert [tuple(p[:2]) for p in points["draft_step"]] == [tuple(step) for step in DRAFT_STEPS]
+
+
+def test_the_first_points_re_measure_to_the_stored_bytes():
+    """Flash widths on CPU (about 7 GB and 2 minutes): the capture's and the draft step's first points and
+    the optimizer's state, counted again now, equal the shipped record."""
+    record = load_calibration()
+    points = record["points"]
+    with cpu_stand_ins():
+        target = build_calibration_target()
+        measured = measure_capture(target, TOKENS[0])
+        del target
+        gc.collect()
+        assert [TOKENS[0], measured["peak"]] == points["capture"][0]
+        assert [TOKENS[0], measured["captured"]] == points["captured"][0]
+        anchors, tokens = DRAFT_STEPS[0]
+        trainer = build_calibration_draft(anchors)
+        measured = measure_draft_step(trainer, anchors, tokens)
+        del trainer
+        gc.collect()
+    assert [anchors, tokens, measured["peak"]] == points["draft_step"][0]
+    assert measured["gradients"] == pytest.approx(points["draft_gradients"][0][-1], rel=1e-9)
+    optimizer = measure_optimizer()
+    assert optimizer["state"] == pytest.approx(record["coefficients"]["optimizer_state"][0], rel=1e-9)
+    assert optimizer["transient"] == pytest.approx(record["coefficients"]["optimizer_transient"][0], rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def flash_counts():
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+
+    return model_counts(DeepseekV41TextConfig())
+
+
+def test_the_model_scales_the_measured_terms(flash_counts):
+    calibration = Calibration.shipped()
+    record = load_calibration()
+    # At a measured point the model's phase term is the measurement (one row, CP 1, one document).
+    tokens, measured = record["points"]["capture"][-1]
+    layout = Layout(gpus=32, gpu_gib=141, ep=32, cp=1, rows=1, row_tokens=int(tokens), anchors_per_row=64)
+    result = estimate(flash_counts, layout, calibration)
+    assert result.phases["capture"]["capture activations (measured)"] == pytest.approx(measured, rel=0.02)
+    # Under CP each rank holds its local tokens' activations and a 1/cp share of the anchors.
+    a, b, c = calibration.capture
+    wide = Layout(gpus=32, gpu_gib=141, ep=32, cp=4, rows=1, row_tokens=65536, anchors_per_row=2048)
+    wide_result = estimate(flash_counts, wide, calibration)
+    assert wide_result.phases["capture"]["capture activations (measured)"] == pytest.approx(
+        a + b * 16384 + c * 16384 * 65536
+    )
+    a, b, c = calibration.draft_step
+    columns = 16384 + 128 + 5
+    assert wide_result.phases["draft step"]["draft activations and logits (measured)"] == pytest.approx(
+        a + b * 512 + c * columns
+    )
+    # The peak is the largest phase on top of what every phase holds.
+    totals = {phase: wide_result.phase_total(phase) for phase in wide_result.phases}
+    assert wide_result.total == max(totals.values()) and wide_result.peak_phase == max(totals, key=totals.get)
+
+
+def test_other_widths_are_refused_by_name():
+    from nemo_automodel_ext.models.deepseek_v41.tiny import tiny_target_config
+
+    counts = model_counts(tiny_target_config().text_config, 8)
+    layout = Layout(gpus=1, gpu_gib=80, ep=1, cp=1, rows=1, row_tokens=128, anchors_per_row=8)
+    with pytest.raises(ValueError, match=r"calibrated at V4.1-Flash widths.*hidden 16 \(calibrated 5120\)"):
+        estimate(counts, layout)
