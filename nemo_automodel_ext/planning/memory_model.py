@@ -390,10 +390,9 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
     memory.update(phases[peak_phase])
     peers = (g - 1) / g
     traffic = {
-        "target FSDP all-gather": BF16
-        * (counts.dense + (counts.experts * (1 - layout.ep / g) if layout.ep < g else 0))
-        / g
-        * (g - 1),
+        # Dense units gather over every rank; with EP smaller than the ranks, each expert shard gathers over
+        # the g / ep ranks that share its experts.
+        "target FSDP all-gather": BF16 * counts.dense / g * (g - 1) + BF16 * counts.experts / g * (g / layout.ep - 1),
         "MoE dispatch + combine": 2
         * BF16
         * local_tokens

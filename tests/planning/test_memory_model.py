@@ -103,6 +103,15 @@ def test_eight_h100_nodes_are_refused_for_the_draft_s_whole_layer_fsdp_buffers(f
     assert "the nearest layout that fits is 256 GPUs of 80 GiB, ep_size=128, cp_size=16" in message
 
 
+def test_expert_shards_gather_only_over_the_ranks_sharing_their_experts(flash):
+    _, counts = flash
+    full = estimate(counts, Layout(256, 80, 256, 16, 1, 65536, 2048)).traffic["target FSDP all-gather"]
+    half = estimate(counts, Layout(256, 80, 128, 16, 1, 65536, 2048)).traffic["target FSDP all-gather"]
+    assert full == pytest.approx(2 * counts.dense / 256 * 255)
+    # EP 128 on 256 ranks: each rank's expert shard (experts / 256) goes to the one peer holding the same experts.
+    assert half - full == pytest.approx(2 * counts.experts / 256)
+
+
 def test_one_node_is_refused_with_the_estimate_and_the_nearest_layout(flash, tmp_path):
     text, counts = flash
     layout = Layout(gpus=8, gpu_gib=141, ep=8, cp=1, rows=1, row_tokens=16384, anchors_per_row=2048)
