@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/cp_draft.py
 	$(PY) benchmarks/training_step.py
 	$(PY) benchmarks/memory_model.py
+	$(PY) benchmarks/step_time.py
 	$(PY) benchmarks/capture_docs.py
 
 clean:

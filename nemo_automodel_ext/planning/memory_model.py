@@ -53,6 +53,10 @@ class ModelCounts:
         draft_layer: Parameters of the draft's largest layer (its FSDP unit).
         draft_root: Draft parameters outside its layers (embedding, head, fc, norms, Markov and confidence
             heads: FSDP2's root unit).
+        target_active: Target parameters a token is multiplied by (every matrix but the embedding, the head
+            and the Engram tables; routed experts by top-k / experts).
+        draft_active: Draft layer parameters a draft token is multiplied by (routed experts by top-k / experts).
+        draft_projection: The draft's feature projection (``main_proj``), applied to every feature column.
         widths: Config widths the calibration must match.
     """
 
@@ -67,6 +71,9 @@ class ModelCounts:
     draft_frozen: int
     draft_layer: int
     draft_root: int = 0
+    target_active: int = 0
+    draft_active: int = 0
+    draft_projection: int = 0
     widths: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -132,6 +139,18 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
         draft_frozen=frozen,
         draft_layer=max(sum(p.numel() for p in layer.parameters()) for layer in draft.layers),
         draft_root=draft_total - sum(p.numel() for layer in draft.layers for p in layer.parameters()),
+        target_active=sum(p.numel() for p in target.parameters())
+        - experts
+        - dense_units[0]
+        - dense_units[1]
+        + experts * int(text.num_experts_per_tok) // int(text.n_routed_experts),
+        draft_active=sum(
+            p.numel()
+            * (int(text.dspark_num_experts_per_tok) / int(text.dspark_n_routed_experts) if ".experts." in n else 1)
+            for layer in draft.layers
+            for n, p in layer.named_parameters()
+        ),
+        draft_projection=sum(p.numel() for n, p in draft.named_parameters() if "main_proj" in n),
         widths={
             "hidden": int(text.hidden_size),
             "hc_mult": int(text.hc_mult),

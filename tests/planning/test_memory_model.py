@@ -88,7 +88,7 @@ def test_gpu_recipes_fit_with_the_headroom_they_state(flash, name):
 
 
 def test_eight_h100_nodes_are_refused_for_the_draft_s_whole_layer_fsdp_buffers(flash):
-    """The draft's FSDP2 units are whole layers (384 experts each): their backward buffers (46.9 GiB) and the
+    """The draft's FSDP2 units are whole layers (128 experts each): their backward buffers (46.9 GiB) and the
     target's shards exceed an 80 GB GPU on 8 nodes at any CP; the nearest fit is the shipped 32-node layout."""
     _, counts = flash
     layout = Layout(gpus=64, gpu_gib=80, ep=64, cp=4, rows=1, row_tokens=65536, anchors_per_row=2048)

@@ -1,0 +1,79 @@
+"""Step time and tokens/s a GPU of packed DSpark on V4.1-Flash: the shipped recipes and the fastest layout that fits.
+
+Run: ``.venv/bin/python benchmarks/step_time.py`` (a few seconds; nothing is allocated).
+
+For each GPU preset (H100, H200, B200; ``planning/step_time.py``) at the node count given, every EP and CP
+size is estimated (FLOPs per GPU at an assumed 40% of the dense bf16 peak, and each traffic entry over the
+link it crosses, compute and communication overlapped) and the layout with the most packed tokens a second
+a GPU among those that fit with 10% of the usable memory to spare is printed, part by part, beside the
+shipped recipe for that GPU. Rows of 64k tokens, one row a micro-batch, 2,048 anchors a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = (
+    ("H100", 32, "dspark_flash_h100_32node_cp.yaml"),
+    ("H200", 4, "dspark_flash_h200_4node_cp.yaml"),
+    ("B200", 4, None),
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    from nemo_automodel.components.config.loader import load_yaml_config
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+
+    from nemo_automodel_ext.planning.memory_model import GIB, Layout, layout_from_config, model_counts
+    from nemo_automodel_ext.planning.step_time import GPUS, MFU, fastest_fitting, step_time
+    from nemo_automodel_ext.run.config import validate_recipe_config
+
+    text = DeepseekV41TextConfig()
+    counts = model_counts(text)
+    rows = []
+    for name, nodes, recipe in PRESETS:
+        gpu = GPUS[name]
+        gpus = nodes * gpu.per_node
+        if recipe is not None:
+            cfg = load_yaml_config(str(REPO / "recipes" / "deepseek_v41" / recipe))
+            args = validate_recipe_config(cfg, gpus, "cuda", require_packages=False)
+            rows.append(
+                (
+                    f"{name} x {gpus}: {recipe}",
+                    step_time(counts, layout_from_config(cfg, args, gpus, gpu.memory_gib), gpu, text),
+                )
+            )
+        start = Layout(gpus, gpu.memory_gib, gpus, 1, 1, 65536, 2048)
+        best = fastest_fitting(counts, start, gpu, text)
+        rows.append((f"{name} x {gpus}: fastest that fits", best))
+    print(f"Assumed: {MFU:.0%} of the dense bf16 peak; compute and communication overlap (planning/step_time.py)\n")
+    print(
+        "| GPUs: layout | EP | CP | GiB a GPU | compute s | comm s | slowest link | step s | tokens/s a GPU |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"
+    )
+    for label, timed in rows:
+        if timed is None:
+            print(f"| {label} | - | - | none fits | | | | | |")
+            continue
+        layout = timed.memory.layout
+        links = {k: v for k, v in timed.seconds.items() if k != "compute"}
+        slowest = max(links, key=links.get)
+        print(
+            f"| {label} | {layout.ep} | {layout.cp} | {timed.memory.total / GIB:.1f} | {timed.compute_s:.2f} | "
+            f"{timed.communication_s:.2f} | {slowest} {links[slowest]:.2f} s | {timed.step_s:.2f} | "
+            f"{timed.tokens_per_s:,.0f} |"
+        )
+    print("\nTFLOP a GPU a micro-batch, by part:\n")
+    parts = list(rows[0][1].flops)
+    print("| GPUs: layout | " + " | ".join(parts) + " |\n| --- |" + " ---: |" * len(parts))
+    for label, timed in rows:
+        if timed is not None:
+            print(f"| {label} | " + " | ".join(f"{timed.flops[p] / 1e12:.1f}" for p in parts) + " |")
+
+
+if __name__ == "__main__":
+    main()

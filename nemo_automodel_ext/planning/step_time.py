@@ -1,0 +1,176 @@
+"""Step time and tokens/s a GPU of a packed DSpark layout: FLOPs and bytes per link, on stated GPU presets.
+
+``step_time(counts, layout, gpu)`` divides one micro-batch's FLOPs per GPU by the GPU's dense bf16 peak at an
+assumed model FLOPs utilisation (``MFU``), and each of ``memory_model.estimate``'s traffic entries by the
+bandwidth of the link it crosses (NVLink inside a node, the network between nodes); compute and communication
+are assumed to overlap, so a micro-batch takes the longer of the two. ``fastest_fitting`` searches EP and CP
+sizes for the layout with the most real tokens a second a GPU among those that fit with 10% to spare.
+
+FLOPs (``micro_batch_flops``), counted as multiply-adds x 2:
+
+- target forward (no grad), per local token: every matrix a token meets (``ModelCounts.target_active``),
+  sparse attention over ``sliding_window`` keys plus ``index_topk`` compressed keys in compressed layers
+  (QK and PV: 4 x heads x head_dim a key), and the indexer's scores over every visible compressed key in each
+  index-source layer (2 x index_heads x index_head_dim a key; one document filling the row, as the memory
+  model counts);
+- draft step, per draft token (anchors x block): the layers' active matrices 8 times (forward 2, backward 4,
+  the checkpointed recompute 2), the frozen head 4 (forward and its input gradient), windowed attention over
+  ``window + block`` keys 4 times; per feature column, the projection 4 (forward and weight gradient).
+
+``tests/planning/test_step_time.py`` pins the non-expert target FLOPs and the draft step's to
+``torch.utils.flop_counter`` on the calibration models. The presets' peaks and bandwidths are vendor numbers;
+``MFU`` and the overlap are assumptions: a measured step on the GPU replaces them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from nemo_automodel_ext.planning.memory_model import Estimate, Layout, ModelCounts, estimate
+
+MFU = 0.40  # assumed share of the dense bf16 peak a step reaches
+FIT_MARGIN = 0.10  # fraction of usable memory a layout keeps spare
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU preset.
+
+    Attributes:
+        name: Label.
+        memory_gib: Memory the layout may use (``Layout.gpu_gib``).
+        bf16_tflops: Dense bf16 peak, TFLOP/s.
+        nvlink_gbs: NVLink bandwidth a GPU, one direction, GB/s.
+        network_gbs: Network bandwidth a GPU between nodes, one direction, GB/s.
+        per_node: GPUs a node.
+    """
+
+    name: str
+    memory_gib: float
+    bf16_tflops: float
+    nvlink_gbs: float
+    network_gbs: float
+    per_node: int = 8
+
+
+GPUS = {
+    "H100": GPU("H100 SXM 80 GB", 80, 989, 450, 50),
+    "H200": GPU("H200 SXM 141 GB", 141, 989, 450, 50),
+    "B200": GPU("B200 192 GB", 178, 2250, 900, 100),
+}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One micro-batch on one GPU.
+
+    Attributes:
+        flops: FLOPs by part.
+        seconds: Seconds by part (compute, then each traffic entry on its link).
+        memory: The layout's memory estimate.
+    """
+
+    flops: dict[str, float]
+    seconds: dict[str, float]
+    memory: Estimate
+
+    @property
+    def compute_s(self) -> float:
+        return self.seconds["compute"]
+
+    @property
+    def communication_s(self) -> float:
+        return sum(value for name, value in self.seconds.items() if name != "compute")
+
+    @property
+    def step_s(self) -> float:
+        """Seconds a micro-batch takes with compute and communication overlapped."""
+        return max(self.compute_s, self.communication_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Packed tokens a second a GPU (a row is shared by its CP group)."""
+        layout = self.memory.layout
+        return layout.rows * layout.row_tokens / layout.cp / self.step_s
+
+
+def micro_batch_flops(counts: ModelCounts, layout: Layout, text) -> dict[str, float]:
+    """FLOPs one GPU runs for one micro-batch, by part (see the module docstring).
+
+    Args:
+        counts: ``model_counts`` of the target and draft.
+        layout: The layout.
+        text: The target's ``DeepseekV41TextConfig`` (attention and indexer widths).
+    """
+    w = counts.widths
+    layers = int(text.num_hidden_layers)
+    ratios = list(text.compress_ratios[:layers])
+    local = layout.rows * layout.row_tokens / layout.cp
+    attention_keys = sum(w["window"] + (int(text.index_topk) if ratio else 0) for ratio in ratios)
+    # A query at position p sees p / ratio compressed keys: p / 2 on average over one document filling the row.
+    indexer_keys = sum(layout.row_tokens / 2 / ratios[i] for i in text.index_source_layer_ids if i < layers)
+    anchors = math.ceil(layout.anchors_per_row / layout.cp) if layout.cp_native else layout.anchors_per_row
+    draft_tokens = layout.rows * anchors * w["block"]
+    columns = layout.rows * (
+        layout.row_tokens / layout.cp + w["window"] + w["block"] if layout.cp_native else layout.row_tokens
+    )
+    return {
+        "target matrices": 2 * counts.target_active * local,
+        "target attention": 4 * w["heads"] * w["head_dim"] * attention_keys * local,
+        "target indexer": 2 * int(text.index_n_heads) * int(text.index_head_dim) * indexer_keys * local,
+        "draft layers": 8 * counts.draft_active * draft_tokens,
+        "draft head": 4 * w["vocab"] * w["hidden"] * draft_tokens,
+        "draft attention": 4
+        * 4
+        * w["heads"]
+        * w["head_dim"]
+        * (w["window"] + w["block"])
+        * draft_tokens
+        * w["draft_layers"],
+        "draft projection": 4 * counts.draft_projection * columns,
+    }
+
+
+def _link(name: str, layout: Layout, gpu: GPU) -> list[tuple[float, float]]:
+    """(share of the entry's bytes, GB/s) for a traffic entry: which link its peers are on."""
+    within = min(gpu.per_node, layout.gpus)
+    if name.startswith("MoE"):  # EP peers: those beyond the node go over the network
+        off = max(0, layout.ep - within) / layout.ep
+        return [(1 - off, gpu.nvlink_gbs), (off, gpu.network_gbs)]
+    if "CP" in name or "features" in name:  # CP groups are consecutive ranks of a node when they fit one
+        return [(1.0, gpu.nvlink_gbs if layout.cp <= gpu.per_node else gpu.network_gbs)]
+    # FSDP over every rank: a ring across nodes runs at the network's bandwidth.
+    return [(1.0, gpu.nvlink_gbs if layout.gpus <= gpu.per_node else gpu.network_gbs)]
+
+
+def step_time(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime:
+    """Seconds and tokens/s a GPU of one micro-batch of ``layout`` on ``gpu`` (see the module docstring)."""
+    memory = estimate(counts, layout)
+    flops = micro_batch_flops(counts, layout, text)
+    seconds = {"compute": sum(flops.values()) / (gpu.bf16_tflops * 1e12 * MFU)}
+    for name, sent in memory.traffic.items():
+        seconds[name] = sum(sent * share / (gbs * 1e9) for share, gbs in _link(name, layout, gpu) if share)
+    return StepTime(flops, seconds, memory)
+
+
+def fastest_fitting(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime | None:
+    """The EP and CP sizes (same GPUs, rows and anchors) with the most tokens/s a GPU that fit with 10% to spare.
+
+    EP sizes divide both the ranks and the routed experts; CP sizes divide the ranks and the row into
+    compression-aligned shards.
+    """
+    experts = int(text.n_routed_experts)
+    best = None
+    for ep in (e for e in range(1, layout.gpus + 1) if layout.gpus % e == 0 and experts % e == 0):
+        for cp in (c for c in (1, 2, 4, 8, 16, 32) if layout.gpus % c == 0 and layout.row_tokens % (c * 128) == 0):
+            candidate = replace(layout, ep=ep, cp=cp, gpu_gib=gpu.memory_gib)
+            timed = step_time(counts, candidate, gpu, text)
+            if timed.memory.headroom < FIT_MARGIN * timed.memory.usable:
+                continue
+            if best is None or timed.tokens_per_s > best.tokens_per_s:
+                best = timed
+    return best
+
+
+__all__ = ["GPU", "GPUS", "MFU", "StepTime", "fastest_fitting", "micro_batch_flops", "step_time"]
