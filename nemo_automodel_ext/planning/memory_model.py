@@ -338,6 +338,19 @@ def indexer_bytes(
     return rows * (5 * tile * band + local * band) + 8 * min(CHUNK_ELEMENTS, rows * tile * band)
 
 
+def rank_anchors(layout: Layout) -> int:
+    """Anchors a rank trains a row: ``ceil(anchors_per_row / cp)`` under CP-native training, else all of them."""
+    return math.ceil(layout.anchors_per_row / layout.cp) if layout.cp_native else layout.anchors_per_row
+
+
+def rank_feature_columns(layout: Layout, widths: dict[str, int]) -> float:
+    """Feature columns a rank holds a row: its shard and halos (``window`` before, ``block`` after) under
+    CP-native training, else the whole row."""
+    if layout.cp_native and layout.cp > 1:
+        return layout.row_tokens / layout.cp + widths["window"] + widths["block"]
+    return layout.row_tokens
+
+
 def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | None = None) -> Estimate:
     """Per-GPU peak memory and traffic of ``layout`` (see the module docstring for what is counted).
 
@@ -358,11 +371,8 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
     local_tokens = layout.rows * layout.row_tokens / layout.cp
     feature_width = (w["feature_layers"] + 1) * w["hidden"]
     gathered_experts = counts.expert_layer / layout.ep if layout.ep < g else 0
-    anchors = math.ceil(layout.anchors_per_row / layout.cp) if layout.cp_native else layout.anchors_per_row
-    if layout.cp_native and layout.cp > 1:
-        feature_columns = layout.row_tokens / layout.cp + w["window"] + w["block"]
-    else:
-        feature_columns = layout.row_tokens
+    anchors = rank_anchors(layout)
+    feature_columns = rank_feature_columns(layout, w)
     fsdp = layout.strategy == "fsdp2"
     draft_replicas = g if fsdp else 1
     deferred = fsdp and layout.defer_grad_sync and layout.grad_accumulation > 1
@@ -549,5 +559,7 @@ __all__ = [
     "layout_from_config",
     "model_counts",
     "nearest_fitting",
+    "rank_anchors",
+    "rank_feature_columns",
     "routed_expert_parameters",
 ]

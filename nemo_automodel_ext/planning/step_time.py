@@ -24,10 +24,16 @@ FLOPs (``micro_batch_flops``), counted as multiply-adds x 2:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
-from nemo_automodel_ext.planning.memory_model import Estimate, Layout, ModelCounts, estimate
+from nemo_automodel_ext.planning.memory_model import (
+    Estimate,
+    Layout,
+    ModelCounts,
+    estimate,
+    rank_anchors,
+    rank_feature_columns,
+)
 
 MFU = 0.40  # assumed share of the dense bf16 peak a step reaches
 FIT_MARGIN = 0.10  # fraction of usable memory a layout keeps spare
@@ -110,11 +116,8 @@ def micro_batch_flops(counts: ModelCounts, layout: Layout, text) -> dict[str, fl
     attention_keys = sum(w["window"] + (int(text.index_topk) if ratio else 0) for ratio in ratios)
     # A query at position p sees p / ratio compressed keys: p / 2 on average over one document filling the row.
     indexer_keys = sum(layout.row_tokens / 2 / ratios[i] for i in text.index_source_layer_ids if i < layers)
-    anchors = math.ceil(layout.anchors_per_row / layout.cp) if layout.cp_native else layout.anchors_per_row
-    draft_tokens = layout.rows * anchors * w["block"]
-    columns = layout.rows * (
-        layout.row_tokens / layout.cp + w["window"] + w["block"] if layout.cp_native else layout.row_tokens
-    )
+    draft_tokens = layout.rows * rank_anchors(layout) * w["block"]
+    columns = layout.rows * rank_feature_columns(layout, w)
     return {
         "target matrices": 2 * counts.target_active * local,
         "target attention": 4 * w["heads"] * w["head_dim"] * attention_keys * local,

@@ -379,6 +379,16 @@ def test_fsdp2_draft_trains_and_resumes_exactly(uninterrupted, cp_size):
     assert {key: value.shape for key, value in exported.items()} == {k: v.shape for k, v in one_rank.items()}
     assembled = read_sharded_draft(last / "model")
     assert all(torch.equal(exported[key], assembled[key]) for key in exported)
+    if cp_size == 1:
+        # Loaded fresh by the evaluator, the exported draft accepts exactly what the trained draft accepted in
+        # the run's own evaluation at that step (both replay every held-out prompt greedily).
+        from nemo_automodel_ext.evaluation.cli import evaluate_checkpoints
+
+        step = int(last.name.rsplit("_step_", 1)[1])
+        in_run = [r for r in read_records(workdir / run) if r.get("split") == "val" and r["step"] == step]
+        assert in_run, f"no in-run evaluation at the exported step {step}"
+        report = evaluate_checkpoints(last, output=workdir / run / "exported_eval.json")
+        assert report["greedy"][last.name]["tau"] == pytest.approx(in_run[-1]["greedy_tau"], rel=1e-12)
     run_tiny_recipe(workdir, resumed_run, *common, f"--checkpoint.restore_from={checkpoint}", nproc=2)
     full, resumed = read_metrics(workdir / run), read_metrics(workdir / resumed_run)
     assert [record["step"] for record in resumed] == list(range(6, len(full) + 1))
