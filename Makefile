@@ -26,7 +26,9 @@ distill: $(STAMP)
 	$(PY) -m nemo_automodel_ext.launch $(DISTILL_YAML) $(ARGS)
 	@$(MAKE) --no-print-directory eval
 
-# Exact greedy acceptance of the latest checkpoint beside the draft at initialisation; writes eval.json.
+# Exact greedy acceptance of the latest checkpoint beside the draft at initialisation, and sampling
+# verification at temperature 1 (EVAL_ARGS= for greedy only); writes eval.json.
+EVAL_ARGS ?= --temperature 1.0
 eval: $(STAMP)
 	$(PY) -m nemo_automodel_ext.evaluation $(DISTILL_RUN) $(EVAL_ARGS)
 
