@@ -48,7 +48,7 @@ TOKENS = (1024, 2048, 4096, 8192)  # single-document rows of the capture phase
 # (anchors, document tokens) of the draft-step phase: at 64 anchors and more the step's peak is the loss's
 # backward, whose bytes grow with the anchors (below it is the frozen head's fp32 copy, a constant).
 DRAFT_STEPS = ((64, 2048), (128, 2048), (256, 2048), (64, 4096), (64, 8192))
-EXPERTS = 8  # routed experts a layer (the released 384 change no activation but the router's logits)
+EXPERTS = 8  # routed experts a layer (Flash: 384 in the target, 128 in the draft; only the routers' logits differ)
 FLASH_OVERRIDES: dict[str, Any] = {
     "num_hidden_layers": 5,
     "compress_ratios": [0, 2, 1, 1, 1, 0, 0, 0],
@@ -305,7 +305,7 @@ def fit(points: list[list[float]], degree: int = 1) -> list[float]:
 
 
 def calibrate(log=print) -> dict[str, Any]:
-    """Measure every phase and fit it (about 3 minutes on 2 cores, 12 GB of memory). Returns the calibration record."""
+    """Measure every phase and fit it (about 7 minutes on 2 cores, 12 GB of memory). Returns the calibration record."""
     points: dict[str, list[list[float]]] = {"capture": [], "captured": [], "draft_step": [], "draft_gradients": []}
     with cpu_stand_ins():
         target = build_calibration_target()
