@@ -163,28 +163,39 @@ def _document(tokens: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def measure_capture(target, tokens: int) -> dict[str, int]:
-    """Bytes of one capture of a ``tokens``-token document (inside ``cpu_stand_ins``).
+def run_capture(target, tokens: int, mode: contextlib.AbstractContextManager):
+    """One capture of a ``tokens``-token document under ``mode`` (a ``LiveBytes`` or a FLOP counter).
 
     Args:
-        target: ``build_calibration_target()``.
+        target: ``build_calibration_target()`` (inside ``cpu_stand_ins``).
         tokens: Tokens of the document (one row).
+        mode: The counting mode the capture runs in; the wrapper and the batch are made outside it.
 
     Returns:
-        ``{"peak": bytes, "captured": bytes}``: the most bytes alive at once during the capture and those its
-        result holds (features and last hidden state), both above the weights and the batch.
+        The captured ``DSparkTargetBatch`` (its features and last hidden state are new storages).
     """
     from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 
     text = target.config.text_config
     wrapper = DeepseekV41DSparkTargetModel(target, list(text.dspark_target_layer_ids))
     batch = _document(tokens, int(text.vocab_size), seed=tokens)
-    with LiveBytes() as tape:
-        captured = wrapper.generate_batch(**batch)
-        peak = tape.peak
-        tape.reset_peak()
+    with mode:
+        return wrapper.generate_batch(**batch)
+
+
+def measure_capture(target, tokens: int) -> dict[str, int]:
+    """Bytes of one capture of a ``tokens``-token document (``run_capture``).
+
+    Returns:
+        ``{"peak": bytes, "captured": bytes}``: the most bytes alive at once during the capture and those its
+        result holds (features and last hidden state), both above the weights and the batch.
+    """
+    tape = LiveBytes()
+    captured = run_capture(target, tokens, tape)
+    peak = tape.peak
+    held = tape.reset_peak()
     del captured
-    return {"peak": peak, "captured": tape.current}
+    return {"peak": peak, "captured": held}
 
 
 def build_calibration_draft(anchors: int, seed: int = 1):
@@ -216,20 +227,21 @@ def build_calibration_draft(anchors: int, seed: int = 1):
     ).train()
 
 
-def measure_draft_step(trainer, anchors: int, tokens: int) -> dict[str, float]:
-    """Bytes of one draft step (forward, loss, backward) with ``anchors`` anchors on a ``tokens``-token document.
+def run_draft_step(trainer, anchors: int, tokens: int, mode: contextlib.AbstractContextManager) -> float:
+    """One draft step (forward, DSpark loss, backward) with ``anchors`` anchors on a ``tokens``-token document,
+    the trainer's forward and backward under ``mode`` (a ``LiveBytes`` or a FLOP counter).
+
+    Each parameter's gradient is dropped as soon as it is accumulated, as FSDP2 frees a layer's unsharded
+    gradient once reduce-scattered (the memory model adds those per-layer buffers from FSDP2's code path).
 
     Args:
         trainer: ``build_calibration_draft()``; its gradients are dropped before and after.
         anchors: Anchors of the document.
-        tokens: Tokens of the document (the captured features' length).
-
-    Each parameter's gradient is dropped as soon as it is accumulated, as FSDP2 frees a layer's unsharded
-    gradient once reduce-scattered (the model adds those per-layer buffers from FSDP2's code path).
+        tokens: Tokens of the document (the captured features' length); features are made outside ``mode``.
+        mode: The counting mode.
 
     Returns:
-        ``{"peak": bytes, "gradients": bytes a trainable parameter}``: the most bytes alive at once above
-        the parameters and the captured inputs, and the gradient bytes the backward produced per parameter.
+        Gradient bytes the backward produced per trainable parameter.
     """
     text = trainer.draft_model.config
     batch = _document(tokens, int(text.vocab_size), seed=anchors)
@@ -249,7 +261,7 @@ def measure_draft_step(trainer, anchors: int, tokens: int) -> dict[str, float]:
     hooks = [p.register_post_accumulate_grad_hook(reduce_scatter) for p in trainer.parameters() if p.requires_grad]
     torch.manual_seed(anchors)
     try:
-        with LiveBytes() as tape:
+        with mode:
             metrics = trainer(
                 batch["input_ids"],
                 features,
@@ -264,7 +276,19 @@ def measure_draft_step(trainer, anchors: int, tokens: int) -> dict[str, float]:
         for hook in hooks:
             hook.remove()
     trainable = sum(p.numel() for p in trainer.parameters() if p.requires_grad)
-    return {"peak": tape.peak, "gradients": sum(gradient_bytes) / trainable}
+    return sum(gradient_bytes) / trainable
+
+
+def measure_draft_step(trainer, anchors: int, tokens: int) -> dict[str, float]:
+    """Bytes of one draft step (``run_draft_step``).
+
+    Returns:
+        ``{"peak": bytes, "gradients": bytes a trainable parameter}``: the most bytes alive at once above
+        the parameters and the captured inputs, and the gradient bytes the backward produced per parameter.
+    """
+    tape = LiveBytes()
+    gradients = run_draft_step(trainer, anchors, tokens, tape)
+    return {"peak": tape.peak, "gradients": gradients}
 
 
 def measure_optimizer(parameters: int = 1 << 22) -> dict[str, float]:
@@ -358,4 +382,6 @@ __all__ = [
     "measure_capture",
     "measure_draft_step",
     "measure_optimizer",
+    "run_capture",
+    "run_draft_step",
 ]

@@ -57,6 +57,7 @@ class ModelCounts:
             and the Engram tables; routed experts by top-k / experts).
         draft_active: Draft layer parameters a draft token is multiplied by (routed experts by top-k / experts).
         draft_projection: The draft's feature projection (``main_proj``), applied to every feature column.
+        routed_experts: Routed experts of a target MoE layer (an EP size must divide them).
         widths: Config widths the calibration must match.
     """
 
@@ -74,6 +75,7 @@ class ModelCounts:
     target_active: int = 0
     draft_active: int = 0
     draft_projection: int = 0
+    routed_experts: int = 0
     widths: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -151,6 +153,7 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
             for n, p in layer.named_parameters()
         ),
         draft_projection=sum(p.numel() for n, p in draft.named_parameters() if "main_proj" in n),
+        routed_experts=int(text.n_routed_experts),
         widths={
             "hidden": int(text.hidden_size),
             "hc_mult": int(text.hc_mult),
@@ -477,9 +480,7 @@ def candidate_layouts(layout: Layout, experts: int | None = None) -> list[Layout
 
 def nearest_fitting(counts: ModelCounts, layout: Layout, margin: float = 0.1) -> Estimate | None:
     """The first of ``candidate_layouts`` that fits with ``margin`` of its usable memory to spare, or None."""
-    per_expert = 3 * counts.widths["hidden"] * counts.widths["moe_inter"]
-    experts = counts.expert_layer // per_expert if counts.expert_layer and per_expert else None
-    for candidate in candidate_layouts(layout, experts):
+    for candidate in candidate_layouts(layout, counts.routed_experts or None):
         fitted = estimate(counts, candidate)
         if fitted.headroom >= margin * fitted.usable:
             return fitted

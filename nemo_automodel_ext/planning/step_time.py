@@ -163,9 +163,8 @@ def fastest_fitting(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> Step
     EP sizes divide both the ranks and the routed experts; CP sizes divide the ranks and the row into
     compression-aligned shards.
     """
-    experts = int(text.n_routed_experts)
     best = None
-    for ep in (e for e in range(1, layout.gpus + 1) if layout.gpus % e == 0 and experts % e == 0):
+    for ep in (e for e in range(1, layout.gpus + 1) if layout.gpus % e == 0 and counts.routed_experts % e == 0):
         for cp in (c for c in (1, 2, 4, 8, 16, 32) if layout.gpus % c == 0 and layout.row_tokens % (c * 128) == 0):
             candidate = replace(layout, ep=ep, cp=cp, gpu_gib=gpu.memory_gib)
             timed = step_time(counts, candidate, gpu, text)
