@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPES = {  # ranks and GiB a GPU each shipped GPU recipe is laid out for
     "dspark_flash_h200_4node_cp.yaml": (32, 141),
-    "dspark_flash_h100_32node_cp.yaml": (256, 80),
+    "dspark_flash_h100_8node_cp.yaml": (64, 80),
 }
 
 
@@ -59,7 +59,10 @@ def main() -> None:
         counts = counted.setdefault(key, model_counts(text, int(args["num_anchors"])))
         layout = layout_from_config(cfg, args, gpus, gib)
         result = estimate(counts, layout)
-        print(f"\n## {path.name}: {gpus} GPUs x {gib:g} GiB, ep {layout.ep}, cp {layout.cp}, {layout.row_tokens} a row")
+        print(
+            f"\n## {path.name}: {gpus} GPUs x {gib:g} GiB, ep {layout.ep}, cp {layout.cp}, "
+            f"draft ep {layout.draft_ep}, {layout.row_tokens} a row"
+        )
         print(
             f"target {counts.target / 1e9:.1f}B parameters ({counts.experts / 1e9:.1f}B routed experts, "
             f"{counts.engram / 1e9:.1f}B Engram tables, {counts.dense / 1e9:.1f}B other); draft "

@@ -2,8 +2,8 @@
 
 Run: ``.venv/bin/python benchmarks/step_time.py`` (a few seconds; nothing is allocated).
 
-For each GPU preset (H100, H200, B200; ``planning/step_time.py``) at the node count given, every EP and CP
-size is estimated (FLOPs per GPU at an assumed 40% of the dense bf16 peak, and each traffic entry over the
+For each GPU preset (H100, H200, B200; ``planning/step_time.py``) at the node count given, every EP, CP
+and draft EP size is estimated (FLOPs per GPU at an assumed 40% of the dense bf16 peak, and each traffic entry over the
 link it crosses, compute and communication overlapped) and the layout with the most packed tokens a second
 a GPU among those that fit with 10% of the usable memory to spare is printed, part by part, beside the
 shipped recipe for that GPU. Rows of 64k tokens, one row a micro-batch, 2,048 anchors a row.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = (
-    ("H100", 32, "dspark_flash_h100_32node_cp.yaml"),
+    ("H100", 8, "dspark_flash_h100_8node_cp.yaml"),
     ("H200", 4, "dspark_flash_h200_4node_cp.yaml"),
     ("B200", 4, None),
 )
@@ -52,18 +52,20 @@ def main() -> None:
         rows.append((f"{name} x {gpus}: fastest that fits", best))
     print(f"Assumed: {MFU:.0%} of the dense bf16 peak; compute and communication overlap (planning/step_time.py)\n")
     print(
-        "| GPUs: layout | EP | CP | GiB a GPU | compute s | comm s | slowest link | step s | tokens/s a GPU |\n"
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"
+        "| GPUs: layout | EP | CP | draft EP | GiB a GPU | compute s | comm s | slowest link | step s "
+        "| tokens/s a GPU |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"
     )
     for label, timed in rows:
         if timed is None:
-            print(f"| {label} | - | - | none fits | | | | | |")
+            print(f"| {label} | - | - | - | none fits | | | | | |")
             continue
         layout = timed.memory.layout
         links = {k: v for k, v in timed.seconds.items() if k != "compute"}
         slowest = max(links, key=links.get)
         print(
-            f"| {label} | {layout.ep} | {layout.cp} | {timed.memory.total / GIB:.1f} | {timed.compute_s:.2f} | "
+            f"| {label} | {layout.ep} | {layout.cp} | {layout.draft_ep} | {timed.memory.total / GIB:.1f} | "
+            f"{timed.compute_s:.2f} | "
             f"{timed.communication_s:.2f} | {slowest} {links[slowest]:.2f} s | {timed.step_s:.2f} | "
             f"{timed.tokens_per_s:,.0f} |"
         )

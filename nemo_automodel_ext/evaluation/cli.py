@@ -95,7 +95,8 @@ def load_run(checkpoint: Path, device: torch.device, target_path: str | None = N
     from nemo_automodel.components.speculative.dspark.target_utils import apply_target_chat_template
 
     cfg, launch_dir, _ = load_run_record(checkpoint)
-    args = resolve_run_paths(validate_recipe_config(cfg, 1, device.type, require_packages=False), launch_dir)
+    # The run's own rank count does not matter here: its draft is reloaded whole on this process.
+    args = resolve_run_paths(validate_recipe_config(cfg, None, device.type, require_packages=False), launch_dir)
     if args["target_builder"] != "local" and target_path is None:
         raise ValueError(
             f"{checkpoint}: recipe_args.target_builder={args['target_builder']} needs the recipe's EP/FSDP layout; "

@@ -58,6 +58,9 @@ class ModelCounts:
         draft_active: Draft layer parameters a draft token is multiplied by (routed experts by top-k / experts).
         draft_projection: The draft's feature projection (``main_proj``), applied to every feature column.
         routed_experts: Routed experts of a target MoE layer (an EP size must divide them).
+        draft_experts: Routed-expert parameters of every draft layer (placed on ``draft_ep`` ranks).
+        draft_layer_experts: Routed-expert parameters of the draft's largest layer.
+        draft_routed_experts: Routed experts of a draft layer (``draft_ep`` must divide them).
         widths: Config widths the calibration must match.
     """
 
@@ -76,6 +79,9 @@ class ModelCounts:
     draft_active: int = 0
     draft_projection: int = 0
     routed_experts: int = 0
+    draft_experts: int = 0
+    draft_layer_experts: int = 0
+    draft_routed_experts: int = 0
     widths: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -154,6 +160,11 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
         ),
         draft_projection=sum(p.numel() for n, p in draft.named_parameters() if "main_proj" in n),
         routed_experts=int(text.n_routed_experts),
+        draft_experts=sum(p.numel() for n, p in draft.named_parameters() if ".experts." in n),
+        draft_layer_experts=max(
+            sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n) for layer in draft.layers
+        ),
+        draft_routed_experts=int(text.dspark_n_routed_experts),
         widths={
             "hidden": int(text.hidden_size),
             "hc_mult": int(text.hc_mult),
@@ -192,6 +203,9 @@ class Layout:
         grad_accumulation: Micro-batches per optimizer step.
         defer_grad_sync: FSDP2 skips the reduce-scatter until the last micro-batch
             (``distributed.defer_fsdp_grad_sync``), holding unsharded fp32 gradients until then.
+        draft_ep: Ranks the draft's routed experts are spread over (``recipe_args.draft_ep_size``;
+            FSDP2 only): each rank gathers experts / draft_ep of a layer, and upstream's all-gather
+            dispatcher exchanges the draft tokens of the group.
     """
 
     gpus: int
@@ -205,6 +219,7 @@ class Layout:
     cp_native: bool = True
     grad_accumulation: int = 1
     defer_grad_sync: bool = False
+    draft_ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -273,6 +288,8 @@ class Estimate:
         layout: The layout estimated.
         phases: Each phase's own parts (bytes), by phase.
         peak_phase: The phase whose parts are in ``memory``.
+        groups: The ranks each traffic entry crosses: ``world`` (FSDP over every rank), ``ep`` (the
+            target's EP group), ``cp`` (a CP group) or ``draft_ep`` (a draft expert group).
     """
 
     memory: dict[str, float]
@@ -280,6 +297,7 @@ class Estimate:
     layout: Layout
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_phase: str = ""
+    groups: dict[str, str] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -378,6 +396,10 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
     feature_columns = rank_feature_columns(layout, w)
     fsdp = layout.strategy == "fsdp2"
     draft_replicas = g if fsdp else 1
+    # With draft EP a rank gathers only its group's experts (experts / draft_ep) of a layer.
+    ep_share = 1 - 1 / layout.draft_ep
+    draft_gathered_layer = counts.draft_layer - counts.draft_layer_experts * ep_share
+    draft_tokens = layout.rows * anchors * w["block"]
     deferred = fsdp and layout.defer_grad_sync and layout.grad_accumulation > 1
     per_parameter = BF16 + calibration.draft_gradients + calibration.optimizer_state
     memory = {
@@ -404,10 +426,15 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
             + step_b * layout.rows * anchors
             + step_c * layout.rows * feature_columns,
             # FSDP2's backward: this layer's and the prefetched layer's gathered bf16 parameters ...
-            "draft gathered layers (FSDP2)": 2 * BF16 * counts.draft_layer if fsdp else 0,
+            "draft gathered layers (FSDP2)": 2 * BF16 * draft_gathered_layer if fsdp else 0,
             # ... the layer's unsharded bf16 gradients and their fp32 copy, the reduce-scatter input ...
-            "draft layer gradients + fp32 reduce-scatter input (FSDP2)": (BF16 + FP32) * counts.draft_layer
+            "draft layer gradients + fp32 reduce-scatter input (FSDP2)": (BF16 + FP32) * draft_gathered_layer
             if fsdp
+            else 0,
+            # Upstream's all-gather dispatcher (draft EP) beyond the measured EP 1 step: the other members'
+            # tokens [(draft_ep - 1) x tokens, hidden] in bf16, the fp32 output all-reduced and its gradient.
+            "draft EP all-gather dispatch": (layout.draft_ep - 1) * draft_tokens * w["hidden"] * (BF16 + 2 * FP32)
+            if layout.draft_ep > 1
             else 0,
             # ... and the root unit, which FSDP2 does not reshard after forward.
             "draft root unit (FSDP2)": BF16 * counts.draft_root if fsdp else 0,
@@ -447,24 +474,47 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         )
         if layout.cp > 1
         else 0,
-        # The fp32 reduce-scatter runs every micro-batch, or once a step when deferred.
+        # The fp32 reduce-scatter runs every micro-batch, or once a step when deferred. With draft EP the
+        # experts gather over the g / draft_ep ranks holding the same experts, the rest over every rank.
         "draft FSDP (gather x2, reduce-scatter fp32)": (2 * BF16 + FP32 / (layout.grad_accumulation if deferred else 1))
-        * counts.draft_trainable
-        * peers
+        * (
+            (counts.draft_trainable - counts.draft_experts) * peers
+            + counts.draft_experts / layout.draft_ep * (1 - layout.draft_ep / g)
+        )
         if layout.strategy == "fsdp2"
         else 2 * FP32 * counts.draft_trainable * peers,
+        # Per draft layer and pass (forward, recompute, backward): the tokens all-gathered in bf16 to
+        # draft_ep - 1 peers, the fp32 output [draft_ep x tokens, hidden] all-reduced (ring: 2x).
+        "draft EP dispatch (all-gather, all-reduce)": 3
+        * w["draft_layers"]
+        * (layout.draft_ep - 1)
+        * draft_tokens
+        * w["hidden"]
+        * (BF16 + 2 * FP32),
     }
-    return Estimate(memory, traffic, layout, phases, peak_phase)
+    groups = {name: "world" for name in traffic}
+    groups.update(
+        {
+            "MoE dispatch + combine": "ep",
+            "target CP (compressed KV + window halo)": "cp",
+            "draft features (halo or all-gather)": "cp",
+            "draft EP dispatch (all-gather, all-reduce)": "draft_ep",
+        }
+    )
+    return Estimate(memory, traffic, layout, phases, peak_phase, groups)
 
 
-def candidate_layouts(layout: Layout, experts: int | None = None) -> list[Layout]:
-    """Layouts near ``layout``, nearest first: more CP at the same GPUs, then more nodes, then EP.
+def candidate_layouts(layout: Layout, experts: int | None = None, draft_experts: int | None = None) -> list[Layout]:
+    """Layouts near ``layout``, nearest first: more CP at the same GPUs, then more nodes, then EP; at each,
+    the layout's own draft EP first, then the draft's experts spread over 8 ranks (a node), then 16 (FSDP2).
 
     Args:
         layout: The layout to start from.
-        experts: Routed experts a layer; an EP size must divide them (None: any EP size).
+        experts: Routed experts a target layer; an EP size must divide them (None: any EP size).
+        draft_experts: Routed experts a draft layer; a draft EP size must divide them (None: any).
     """
     candidates = []
+    draft_eps = [layout.draft_ep] + [d for d in (8, 16) if d > layout.draft_ep and layout.strategy == "fsdp2"]
     for nodes_factor in (1, 2, 4, 8):
         gpus = layout.gpus * nodes_factor
         for cp in (layout.cp, 2 * layout.cp, 4 * layout.cp, 8 * layout.cp):
@@ -473,14 +523,17 @@ def candidate_layouts(layout: Layout, experts: int | None = None) -> list[Layout
             sizes = {layout.ep * nodes_factor, gpus, layout.ep}
             sizes |= {ep // 2 for ep in sizes}
             for ep in sorted(sizes, reverse=True):
-                if ep <= gpus and gpus % ep == 0 and (experts is None or experts % ep == 0):
-                    candidates.append(replace(layout, gpus=gpus, cp=cp, ep=ep))
+                if not (ep <= gpus and gpus % ep == 0 and (experts is None or experts % ep == 0)):
+                    continue
+                for draft_ep in draft_eps:
+                    if gpus % draft_ep == 0 and (draft_experts is None or draft_experts % draft_ep == 0):
+                        candidates.append(replace(layout, gpus=gpus, cp=cp, ep=ep, draft_ep=draft_ep))
     return candidates
 
 
 def nearest_fitting(counts: ModelCounts, layout: Layout, margin: float = 0.1) -> Estimate | None:
     """The first of ``candidate_layouts`` that fits with ``margin`` of its usable memory to spare, or None."""
-    for candidate in candidate_layouts(layout, counts.routed_experts or None):
+    for candidate in candidate_layouts(layout, counts.routed_experts or None, counts.draft_routed_experts or None):
         fitted = estimate(counts, candidate)
         if fitted.headroom >= margin * fitted.usable:
             return fitted
@@ -490,6 +543,7 @@ def nearest_fitting(counts: ModelCounts, layout: Layout, margin: float = 0.1) ->
 def describe(layout: Layout) -> str:
     return (
         f"{layout.gpus} GPUs of {layout.gpu_gib:g} GiB, ep_size={layout.ep}, cp_size={layout.cp}, "
+        f"draft_ep_size={layout.draft_ep}, "
         f"{layout.rows} x {layout.row_tokens} tokens a micro-batch, {layout.anchors_per_row} anchors a row"
     )
 
@@ -512,6 +566,7 @@ def layout_from_config(cfg: Any, args: dict[str, Any], world_size: int, gpu_gib:
         gpu_gib=gpu_gib,
         ep=int(get("ep_size", 1) or 1),
         cp=int(get("cp_size", 1) or 1),
+        draft_ep=int(args.get("draft_ep_size", 1) or 1),
         rows=int(args["micro_batch_size"]),
         row_tokens=row_tokens,
         anchors_per_row=int(anchors),

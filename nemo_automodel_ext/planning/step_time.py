@@ -135,13 +135,14 @@ def micro_batch_flops(counts: ModelCounts, layout: Layout, text) -> dict[str, fl
     }
 
 
-def _link(name: str, layout: Layout, gpu: GPU) -> list[tuple[float, float]]:
-    """(share of the entry's bytes, GB/s) for a traffic entry: which link its peers are on."""
+def _link(group: str, layout: Layout, gpu: GPU) -> list[tuple[float, float]]:
+    """(share of the entry's bytes, GB/s) for a traffic entry crossing ``group`` (``Estimate.groups``)."""
     within = min(gpu.per_node, layout.gpus)
-    if name.startswith("MoE"):  # EP peers: those beyond the node go over the network
-        off = max(0, layout.ep - within) / layout.ep
+    if group in ("ep", "draft_ep"):  # EP peers: those beyond the node go over the network
+        size = layout.ep if group == "ep" else layout.draft_ep
+        off = max(0, size - within) / size
         return [(1 - off, gpu.nvlink_gbs), (off, gpu.network_gbs)]
-    if "CP" in name or "features" in name:  # CP groups are consecutive ranks of a node when they fit one
+    if group == "cp":  # CP groups are consecutive ranks of a node when they fit one
         return [(1.0, gpu.nvlink_gbs if layout.cp <= gpu.per_node else gpu.network_gbs)]
     # FSDP over every rank: a ring across nodes runs at the network's bandwidth.
     return [(1.0, gpu.nvlink_gbs if layout.gpus <= gpu.per_node else gpu.network_gbs)]
@@ -153,25 +154,30 @@ def step_time(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime:
     flops = micro_batch_flops(counts, layout, text)
     seconds = {"compute": sum(flops.values()) / (gpu.bf16_tflops * 1e12 * MFU)}
     for name, sent in memory.traffic.items():
-        seconds[name] = sum(sent * share / (gbs * 1e9) for share, gbs in _link(name, layout, gpu) if share)
+        link = _link(memory.groups[name], layout, gpu)
+        seconds[name] = sum(sent * share / (gbs * 1e9) for share, gbs in link if share)
     return StepTime(flops, seconds, memory)
 
 
 def fastest_fitting(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime | None:
-    """The EP and CP sizes (same GPUs, rows and anchors) with the most tokens/s a GPU that fit with 10% to spare.
+    """The EP, CP and draft EP sizes (same GPUs, rows and anchors) with the most tokens/s a GPU that fit with
+    10% to spare.
 
-    EP sizes divide both the ranks and the routed experts; CP sizes divide the ranks and the row into
-    compression-aligned shards.
+    EP sizes divide both the ranks and the target's routed experts, draft EP sizes the ranks and the
+    draft's (FSDP2 only); CP sizes divide the ranks and the row into compression-aligned shards.
     """
     best = None
-    for ep in (e for e in range(1, layout.gpus + 1) if layout.gpus % e == 0 and counts.routed_experts % e == 0):
+    divisors = [d for d in range(1, layout.gpus + 1) if layout.gpus % d == 0]
+    draft_eps = [d for d in divisors if layout.strategy == "fsdp2" and counts.draft_routed_experts % d == 0] or [1]
+    for ep in (e for e in divisors if counts.routed_experts % e == 0):
         for cp in (c for c in (1, 2, 4, 8, 16, 32) if layout.gpus % c == 0 and layout.row_tokens % (c * 128) == 0):
-            candidate = replace(layout, ep=ep, cp=cp, gpu_gib=gpu.memory_gib)
-            timed = step_time(counts, candidate, gpu, text)
-            if timed.memory.headroom < FIT_MARGIN * timed.memory.usable:
-                continue
-            if best is None or timed.tokens_per_s > best.tokens_per_s:
-                best = timed
+            for draft_ep in draft_eps:
+                candidate = replace(layout, ep=ep, cp=cp, draft_ep=draft_ep, gpu_gib=gpu.memory_gib)
+                timed = step_time(counts, candidate, gpu, text)
+                if timed.memory.headroom < FIT_MARGIN * timed.memory.usable:
+                    continue
+                if best is None or timed.tokens_per_s > best.tokens_per_s:
+                    best = timed
     return best
 
 

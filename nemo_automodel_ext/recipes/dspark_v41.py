@@ -65,7 +65,7 @@ from nemo_automodel_ext.quiet import quiet_sglang_warning
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
 from nemo_automodel_ext.recipes.builders import check_layout_memory, frozen_target_setup
 from nemo_automodel_ext.recipes.loop_hooks import PackedDSparkLoopHooks
-from nemo_automodel_ext.recipes.parallel import draft_mesh, parallelize_draft
+from nemo_automodel_ext.recipes.parallel import draft_mesh, expert_mesh, parallelize_draft
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
@@ -213,10 +213,24 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
             confidence_head_alpha=float(args["confidence_head_alpha"]),
         ).to(self.device)
         self.parallel_strategy = str(section_get(distributed, "strategy", "ddp")).lower() if world_size > 1 else "ddp"
-        # CP-native: every rank trains its shard's anchors, so the draft is one model over dp x cp.
+        # CP-native: every rank trains its shard's anchors, so the draft is one model over dp x cp;
+        # with draft_ep_size > 1 its routed experts are spread over groups of that many ranks.
         self.draft_mesh = draft_mesh(self.device_mesh)
+        ep_size = int(args["draft_ep_size"])
+        if text.dspark_n_routed_experts % ep_size:
+            raise ValueError(
+                f"recipe_args.draft_ep_size={ep_size} must divide the draft's {text.dspark_n_routed_experts} "
+                "routed experts (dspark_n_routed_experts of the target's config)"
+            )
+        self.draft_expert_mesh = expert_mesh(self.device.type, world_size, ep_size) if ep_size > 1 else None
         self.trainer_module = parallelize_draft(
-            trainer_module, self.parallel_strategy, world_size, self.device, self.draft_mesh, self.compute_dtype
+            trainer_module,
+            self.parallel_strategy,
+            world_size,
+            self.device,
+            self.draft_mesh,
+            self.compute_dtype,
+            experts=self.draft_expert_mesh,
         )
         self._precompute_fp8_scales = False
 

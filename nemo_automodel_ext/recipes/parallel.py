@@ -1,8 +1,19 @@
-"""Data parallelism of the packed V4.1 DSpark recipe's trainable draft.
+"""Data and expert parallelism of the packed V4.1 DSpark recipe's trainable draft.
 
 Under context parallelism the draft is CP-native (``models/deepseek_v41/cp_trainer.py``): every
 rank trains different anchors, so its gradients reduce over dp x cp (``draft_mesh``), and
 every rank holds one replica (DDP) or one shard (FSDP2) of a single draft.
+
+With ``recipe_args.draft_ep_size`` E > 1 (FSDP2 only) the draft's routed experts are placed by
+upstream's ``apply_ep`` on the "ep" axis of ``expert_mesh`` (E consecutive ranks, each holding
+experts / E of every layer, tokens exchanged by upstream's all-gather dispatcher), and FSDP2
+shards each rank's experts over the "ep_shard" axis (world / E ranks holding the same experts).
+Everything else stays FSDP2 over dp x cp, so no rank gathers a whole layer's experts.
+
+Gradient scale: each expert shard's gradient sums the losses of its E-rank group (the dispatcher's
+all-reduce carries every group member's tokens back), and "ep_shard" sums the world / E groups;
+dividing that reduction by the world size (``set_gradient_divide_factor``) gives the mean over
+ranks that the rest of the draft gets, so EP E trains exactly like EP 1 (tests/recipes/gloo_draft_ep.py).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ def parallelize_draft(
     device: torch.device,
     mesh: DeviceMesh | None,
     compute_dtype: torch.dtype,
+    experts: DeviceMesh | None = None,
 ) -> torch.nn.Module:
     """Replicate (DDP) or shard (FSDP2, per draft layer) the trainable draft over ``mesh``.
 
@@ -30,9 +42,12 @@ def parallelize_draft(
         mesh: One-dimensional mesh the gradients reduce over (``draft_mesh``), or None for
             every rank.
         compute_dtype: FSDP2 parameter dtype (gradients reduce in fp32).
+        experts: ``expert_mesh`` ("ep_shard", "ep") to place the routed experts with expert
+            parallelism (FSDP2 only), or None to shard them with their layer.
 
     Returns:
-        The wrapped module (the same object on one rank).
+        The wrapped module (the same object on one rank); with ``experts``, every draft layer's
+        ``ffn.experts`` holds DTensor parameters [experts, ...] sharded on dim 0 over "ep".
     """
     if world_size == 1:
         return trainer_module
@@ -49,11 +64,42 @@ def parallelize_draft(
     mesh = mesh or init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fp32_names = tuple(getattr(trainer_module.draft_model, "_keep_in_fp32_modules_strict", ()))
+    if experts is not None:
+        _shard_experts(trainer_module.draft_model, experts, policy, world_size)
     for layer in trainer_module.draft_model.layers:
         fully_shard_by_dtype(
             layer, mesh=mesh, mp_policy=policy, offload_policy=None, fp32_compute_module_names=fp32_names
         )
     return fully_shard(trainer_module, mesh=mesh, mp_policy=policy)
+
+
+def expert_mesh(device_type: str, world_size: int, ep_size: int) -> DeviceMesh:
+    """The draft's expert mesh: ("ep_shard", "ep") of shape (world_size / ep_size, ep_size).
+
+    Args:
+        device_type: ``cpu`` or ``cuda``.
+        world_size: Ranks of the run (dp x cp).
+        ep_size: Ranks an expert group spans (``recipe_args.draft_ep_size``); consecutive ranks.
+    """
+    return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("ep_shard", "ep"))
+
+
+def _shard_experts(draft: torch.nn.Module, experts: DeviceMesh, policy, world_size: int) -> None:
+    """Expert-parallel routed experts (upstream's ``apply_ep``), FSDP2 over "ep_shard", mean-reduced."""
+    from nemo_automodel.components.moe.parallelizer import apply_ep
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    apply_ep(draft, experts["ep"])
+    for layer in draft.layers:
+        # Dim 1 (hidden or expert width): a rank's local experts may be fewer than the ep_shard ranks.
+        module = fully_shard(
+            layer.mlp.experts, mesh=experts["ep_shard"], mp_policy=policy, shard_placement_fn=lambda _: Shard(1)
+        )
+        module.set_gradient_divide_factor(float(world_size))
+        # SUM, then divide (gloo has no PREMUL_SUM). Not on a one-rank "ep_shard": torch 2.13's FSDP2
+        # then divides twice (its pre-divide and its one-rank copy both apply the factor).
+        module.set_force_sum_reduction_for_comms(experts["ep_shard"].size() > 1)
 
 
 def draft_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -67,4 +113,4 @@ def draft_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
     return device_mesh["dp", "cp"]._flatten("dp_cp")
 
 
-__all__ = ["draft_mesh", "parallelize_draft"]
+__all__ = ["draft_mesh", "expert_mesh", "parallelize_draft"]

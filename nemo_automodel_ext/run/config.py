@@ -22,6 +22,7 @@ RECIPE_ARGS: dict[str, Any] = {
     "target_experts": "torch_mm",
     "target_enable_fsdp_optimizations": True,
     "draft_attn_backend": "sdpa",
+    "draft_ep_size": 1,
     "chat_template": None,
     "train_data_path": None,
     "val_data_path": None,
@@ -78,6 +79,7 @@ INTEGER_KEYS = {
     "block_size": 1,
     "markov_rank": 1,
     "draft_num_hidden_layers": 1,
+    "draft_ep_size": 1,
     "mask_token_id": 0,
     "shuffle_seed": 0,
 }
@@ -99,13 +101,14 @@ def section_get(section: Any, key: str, default: Any = None) -> Any:
 
 
 def validate_recipe_config(
-    cfg: Any, world_size: int, device_type: str, require_packages: bool = True
+    cfg: Any, world_size: int | None, device_type: str, require_packages: bool = True
 ) -> dict[str, Any]:
     """Check a packed V4.1 DSpark config before anything is built.
 
     Args:
         cfg: The loaded ``ConfigNode``.
-        world_size: Number of ranks of the run.
+        world_size: Number of ranks of the run; None checks the config alone, not its parallel layout
+            against a rank count (the evaluator reloads a run's checkpoint on one process).
         device_type: ``"cuda"`` or ``"cpu"``.
         require_packages: Also check that optional packages the config needs (HybridEP) import.
 
@@ -154,7 +157,7 @@ def validate_recipe_config(
     for axis in ("tp_size", "pp_size"):
         if int(section_get(distributed, axis, 1) or 1) != 1:
             raise ValueError(f"distributed.{axis} must be 1 for DSpark (one non-pipelined target forward per rank)")
-    if cp_size < 1 or world_size % cp_size:
+    if world_size is not None and world_size % cp_size:
         raise ValueError(f"distributed.cp_size={cp_size} must divide the number of ranks ({world_size})")
     if cp_size > 1 and not packed:
         raise ValueError("distributed.cp_size > 1 needs packed batches: set recipe_args.packed_sequence_size > 0")
@@ -177,11 +180,21 @@ def validate_recipe_config(
     if strategy not in ("ddp", "fsdp2"):
         raise ValueError(f"distributed.strategy must be ddp or fsdp2, got {strategy!r}")
     require_target_reshard(section_get(distributed, "reshard_after_forward", None))
-    if strategy == "fsdp2" and world_size > 1 and section_get(cfg.get("checkpoint", None), "save_consolidated", False):
+    if (
+        strategy == "fsdp2"
+        and (world_size or 1) > 1
+        and section_get(cfg.get("checkpoint", None), "save_consolidated", False)
+    ):
         raise ValueError(
             "checkpoint.save_consolidated: true fails with an FSDP2 draft on more than one rank in nemo_automodel "
             "0.7.0 (KeyError on the split expert keys while writing the index); set it false: the recipe exports "
             "the last checkpoint's draft itself (python -m nemo_automodel_ext.export RUN for any other)"
+        )
+    draft_ep = int(args["draft_ep_size"])
+    if draft_ep > 1 and (strategy != "fsdp2" or (world_size is not None and world_size % draft_ep)):
+        raise ValueError(
+            f"recipe_args.draft_ep_size={draft_ep} places the draft's experts on groups of that many ranks: it needs "
+            f"distributed.strategy: fsdp2 (got {strategy}) and must divide the number of ranks ({world_size})"
         )
     defer = section_get(distributed, "defer_fsdp_grad_sync", False)
     if not isinstance(defer, bool):

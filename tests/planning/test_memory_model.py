@@ -29,7 +29,7 @@ from nemo_automodel_ext.run.config import validate_recipe_config
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPUs each shipped GPU recipe is laid out for: (ranks, GiB a GPU).
-GPU_RECIPES = {"dspark_flash_h200_4node_cp.yaml": (32, 141), "dspark_flash_h100_32node_cp.yaml": (256, 80)}
+GPU_RECIPES = {"dspark_flash_h200_4node_cp.yaml": (32, 141), "dspark_flash_h100_8node_cp.yaml": (64, 80)}
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +87,10 @@ def test_gpu_recipes_fit_with_the_headroom_they_state(flash, name):
     ]
 
 
-def test_eight_h100_nodes_are_refused_for_the_draft_s_whole_layer_fsdp_buffers(flash):
-    """The draft's FSDP2 units are whole layers (128 experts each): their backward buffers (46.9 GiB) and the
-    target's shards exceed an 80 GB GPU on 8 nodes at any CP; the nearest fit is the shipped 32-node layout."""
+def test_eight_h100_nodes_need_the_draft_s_experts_on_ep(flash):
+    """With its experts in its FSDP2 units the draft's backward buffers are whole layers (128 experts each,
+    46.9 GiB): 8 H100 nodes are refused at any CP, and the nearest fit named is the same GPUs with the draft's
+    experts on 8 ranks (the shipped recipe), which gathers 16 experts a layer and sends a sixth of the bytes."""
     _, counts = flash
     layout = Layout(gpus=64, gpu_gib=80, ep=64, cp=4, rows=1, row_tokens=65536, anchors_per_row=2048)
     result = estimate(counts, layout)
@@ -99,8 +100,17 @@ def test_eight_h100_nodes_are_refused_for_the_draft_s_whole_layer_fsdp_buffers(f
         check_layout_fits(counts, layout)
     message = str(error.value)
     assert "at its draft step (draft layer gradients + fp32 reduce-scatter input (FSDP2) 26.7" in message
-    # EP sizes the candidates offer divide the 384 experts.
-    assert "the nearest layout that fits is 256 GPUs of 80 GiB, ep_size=128, cp_size=16" in message
+    # EP sizes the candidates offer divide the 384 target experts and the 128 draft experts.
+    assert "the nearest layout that fits is 64 GPUs of 80 GiB, ep_size=64, cp_size=4, draft_ep_size=8" in message
+
+    spread = estimate(counts, replace(layout, draft_ep=8))
+    layer = counts.draft_layer - counts.draft_layer_experts * 7 / 8
+    assert spread.phases["draft step"]["draft gathered layers (FSDP2)"] == 2 * 2 * layer
+    tokens = 2048 // 4 * 5  # a rank's anchors x block
+    assert spread.traffic["draft EP dispatch (all-gather, all-reduce)"] == 3 * 3 * 7 * tokens * 5120 * (2 + 8)
+    before = result.traffic["draft FSDP (gather x2, reduce-scatter fp32)"]
+    after = sum(spread.traffic[name] for name in spread.traffic if name.startswith("draft") and "features" not in name)
+    assert after < before / 4, (after / GIB, before / GIB)
 
 
 def test_expert_shards_gather_only_over_the_ranks_sharing_their_experts(flash):
@@ -119,7 +129,7 @@ def test_one_node_is_refused_with_the_estimate_and_the_nearest_layout(flash, tmp
         check_layout_fits(counts, layout)
     message = str(error.value)
     assert "needs about 289.3 GiB a GPU at its draft step" in message and "target shards (bf16) 174.2" in message
-    assert "the nearest layout that fits is 32 GPUs of 141 GiB, ep_size=32, cp_size=4" in message
+    assert "the nearest layout that fits is 16 GPUs of 141 GiB, ep_size=16, cp_size=8, draft_ep_size=16" in message
     # The recipe's check reads only the target's config.json.
     DeepseekV41Config(text_config=text.to_dict(), vision_config={"num_hidden_layers": 0}).save_pretrained(tmp_path)
     cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node_cp.yaml")

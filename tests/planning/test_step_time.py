@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
@@ -17,6 +18,8 @@ from nemo_automodel_ext.planning.calibration import (
 )
 from nemo_automodel_ext.planning.memory_model import Layout, model_counts
 from nemo_automodel_ext.planning.step_time import GPUS, fastest_fitting, micro_batch_flops, step_time
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +59,28 @@ def test_target_and_draft_flops_match_the_flop_counter(calibration):
             assert 0.90 * measured <= modelled <= measured
 
 
-def test_the_shipped_h200_recipe_is_the_fastest_layout_that_fits_its_gpus():
+@pytest.mark.parametrize(("name", "preset", "gpus"), [("h200_4node", "H200", 32), ("h100_8node", "H100", 64)])
+def test_the_shipped_recipes_are_the_fastest_layouts_that_fit_their_gpus(name, preset, gpus):
+    from nemo_automodel.components.config.loader import load_yaml_config
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+
+    from nemo_automodel_ext.planning.memory_model import layout_from_config
+    from nemo_automodel_ext.run.config import validate_recipe_config
 
     text = DeepseekV41TextConfig()
     counts = model_counts(text)
-    gpu = GPUS["H200"]
-    shipped = Layout(gpus=32, gpu_gib=141, ep=32, cp=4, rows=1, row_tokens=65536, anchors_per_row=2048)
-    best = fastest_fitting(counts, Layout(32, 141, 32, 1, 1, 65536, 2048), gpu, text)
-    assert (best.memory.layout.ep, best.memory.layout.cp) == (32, 4)
+    gpu = GPUS[preset]
+    cfg = load_yaml_config(str(REPO / "recipes" / "deepseek_v41" / f"dspark_flash_{name}_cp.yaml"))
+    args = validate_recipe_config(cfg, gpus, "cuda", require_packages=False)
+    shipped = layout_from_config(cfg, args, gpus, gpu.memory_gib)
+    best = fastest_fitting(counts, Layout(gpus, gpu.memory_gib, gpus, 1, 1, 65536, 2048), gpu, text)
+    assert (best.memory.layout.ep, best.memory.layout.cp, best.memory.layout.draft_ep) == (
+        shipped.ep,
+        shipped.cp,
+        shipped.draft_ep,
+    )
     timed = step_time(counts, shipped, gpu, text)
     assert timed.tokens_per_s == pytest.approx(best.tokens_per_s)
     # Tokens a second a GPU: the row's tokens over its CP group, over the slower of compute and communication.
-    assert timed.tokens_per_s == pytest.approx(65536 / 4 / max(timed.compute_s, timed.communication_s))
-    assert timed.compute_s == pytest.approx(sum(timed.flops.values()) / (989e12 * 0.40))
+    assert timed.tokens_per_s == pytest.approx(65536 / shipped.cp / max(timed.compute_s, timed.communication_s))
+    assert timed.compute_s == pytest.approx(sum(timed.flops.values()) / (gpu.bf16_tflops * 1e12 * 0.40))
