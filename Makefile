@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv distill eval test bench clean
+.PHONY: venv distill eval test bench compare clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory_model.py
 	$(PY) benchmarks/step_time.py
 	$(PY) benchmarks/capture_docs.py
+
+# Packed vs unpacked training of the demo draft at the same epochs: greedy tau against training seconds
+# (docs/images/packed_vs_unpacked.png), sampled tau at T=1 over 3 seeds, the goals (benchmarks/packing_value.py).
+compare: $(STAMP)
+	$(PY) benchmarks/packing_value.py $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs

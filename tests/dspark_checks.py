@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 
+def packing_tensors(seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """position_ids, doc_remaining and a loss mask (first two tokens of each document unsupervised)."""
+    rows = [[n for n in row if n > 0] for row in seq_lens.tolist()]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+    remaining = torch.stack([torch.cat([torch.arange(n - 1, -1, -1) for n in row]) for row in rows])
+    return positions, remaining, (positions >= 2).long()
+
+
 def present_documents(seq_lens: torch.Tensor):
     """Yield (row, start, length) of every present document of ``seq_lens`` [batch, documents]."""
     for row, lengths in enumerate(seq_lens.tolist()):

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences
+from nemo_automodel_ext.evaluation.sequences import EvalSequence, as_packed_rows, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.anchors import compact_anchors
 from nemo_automodel_ext.models.deepseek_v41.packing import document_bounds
 
@@ -145,7 +145,9 @@ def greedy_replay(
         draft: ``DeepseekV41PackedDSparkModel``.
         batch: Packed batch in the recipe's format (``pack_sequences`` or the validation loader):
             ``input_ids``, ``loss_mask``, ``attention_mask``, ``position_ids``, ``doc_remaining``
-            [rows, row] and ``seq_lens`` [rows, documents]; optional ``sequence_index``.
+            [rows, row] and ``seq_lens`` [rows, documents]; optional ``sequence_index``. An unpacked
+            loader's batch (one right-padded conversation a row) is read as one document a row
+            (``sequences.as_packed_rows``).
         max_anchors: Anchors per draft forward (the draft's logits are [rows, anchors, block, vocab]).
         keep_rounds: Record the tokens committed per round for every sequence.
 
@@ -153,7 +155,7 @@ def greedy_replay(
         AcceptanceStats of the batch. Nothing is modified.
     """
     device = next(draft.parameters()).device
-    batch = {key: value.to(device) for key, value in batch.items()}
+    batch = as_packed_rows({key: value.to(device) for key, value in batch.items()})
     ids, seq_lens = batch["input_ids"], batch["seq_lens"]
     rows, width = ids.shape
     block = draft.config.dspark_block_size

@@ -90,6 +90,41 @@ def pack_sequences(
     return batches
 
 
+def as_packed_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A batch in the packed-row format, whether the loader packed it or not.
+
+    An unpacked loader (``packed_sequence_size: 0``) yields one right-padded conversation a row
+    without ``seq_lens``, ``position_ids`` or ``doc_remaining``; each row becomes one document spanning
+    the row (the trailing padding folded into it, as upstream's packing folds a row's last padding).
+
+    Args:
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask`` [rows, row]; packed batches also carry
+            ``seq_lens`` [rows, documents], ``position_ids`` and ``doc_remaining`` [rows, row].
+
+    Returns:
+        ``batch`` itself when packed, else a new dict adding ``seq_lens`` [rows, 1] (the row width),
+        ``position_ids`` [rows, row] (0, 1, ...) and ``doc_remaining`` [rows, row] (real tokens after
+        each column). The caller's tensors are not modified.
+
+    Raises:
+        ValueError: when an unpacked row's attention mask is not one run of ones from column 0.
+    """
+    if "seq_lens" in batch:
+        return batch
+    mask = batch["attention_mask"]
+    rows, width = mask.shape
+    columns = torch.arange(width, device=mask.device).expand(rows, width)
+    real = mask.sum(dim=1, keepdim=True)
+    if not torch.equal(mask.bool(), columns < real):
+        raise ValueError("an unpacked batch's attention_mask must be right-padded (ones, then zeros) in every row")
+    return {
+        **batch,
+        "seq_lens": torch.full((rows, 1), width, dtype=torch.long, device=mask.device),
+        "position_ids": columns.clone(),
+        "doc_remaining": (real - 1 - columns).clamp_min(0),
+    }
+
+
 def read_eval_sequences(path: str | Path, tokenizer, limit: int | None = None) -> list[EvalSequence]:
     """Prompts and reference answers of an OpenAI ``messages`` JSONL (the last assistant turn).
 
@@ -141,4 +176,4 @@ def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], int
     return full, len(prompt)
 
 
-__all__ = ["EvalSequence", "encode_conversation", "pack_sequences", "read_eval_sequences"]
+__all__ = ["EvalSequence", "as_packed_rows", "encode_conversation", "pack_sequences", "read_eval_sequences"]

@@ -265,7 +265,7 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         batches = len(self.train_dataloader)
         self.runtime = SimpleNamespace(global_step=0)
         self._resume_epoch = 0
-        self._tokens_seen = 0
+        self._tokens_seen = self._captured_tokens = self._documents = self._supervised_slots = 0
         self._data_checksum = 0
         self.rng = StatefulRNG(seed=int(args["shuffle_seed"]) + self._get_dp_rank(), ranked=False)
         self._build_checkpointer(target_path)
@@ -286,7 +286,7 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
             ProgressMetricLogger(
                 self.output_dir / "metrics.jsonl",
                 self.total_optim_steps,
-                lambda: {"tokens": self._tokens_seen, "data_checksum": self._data_checksum},
+                self._counters,
                 inner=build_metric_logger(str(self.output_dir / "dspark_train_metrics.jsonl")),
                 start_step=self.runtime.global_step,
             )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import time
 
 import torch
 import torch.distributed as dist
@@ -55,8 +56,17 @@ class PackedDSparkLoopHooks:
                 self._log_flushed_step(epoch)
             self._trailing.reset()
         if self.acceptance.due(self.runtime.global_step):
-            self._log_eval(self.acceptance.run(self.runtime.global_step))
+            self._log_eval(self._untimed(self.acceptance.run, self.runtime.global_step))
         return saved
+
+    def _untimed(self, evaluate, *args):
+        """``evaluate(*args)``, its seconds left out of the training time ``metrics.jsonl`` records (``train_s``)."""
+        start = time.perf_counter()
+        try:
+            return evaluate(*args)
+        finally:
+            if self.metric_logger is not None:
+                self.metric_logger.exclude(time.perf_counter() - start)
 
     def _log_flushed_step(self, epoch: int) -> None:
         """Log the step that flushed an epoch's partial accumulation window (every rank: one all-reduce)."""
@@ -69,12 +79,12 @@ class PackedDSparkLoopHooks:
         """Upstream's teacher-forced validation (not counted as training tokens) plus greedy acceptance."""
         self._counting_tokens = False
         try:
-            metrics = super()._run_eval()
+            metrics = self._untimed(super()._run_eval)
         finally:
             self._counting_tokens = True
         if metrics is None:
             return None
-        metrics.update(self.acceptance.run(self.runtime.global_step))
+        metrics.update(self._untimed(self.acceptance.run, self.runtime.global_step))
         self._log_eval(metrics, wandb=False)  # upstream logs the returned metrics to W&B
         return metrics
 
@@ -90,7 +100,7 @@ class PackedDSparkLoopHooks:
         with report_refusal():
             # The draft at initialisation; an FSDP2 root must run its first forward before its layers do.
             if self.runtime.global_step == 0 and self.acceptance.every_steps and self.parallel_strategy != "fsdp2":
-                self._log_eval(self.acceptance.run(0))
+                self._log_eval(self._untimed(self.acceptance.run, 0))
             super().run_train_validation_loop()
         self._export_last_checkpoint()
         if self.dist_env.is_main and (self.output_dir / "metrics.jsonl").exists():
@@ -108,7 +118,8 @@ class PackedDSparkLoopHooks:
             dist.barrier()
 
     def _forward_batch(self, batch):
-        """Upstream's step, plus running counts of real tokens and a data checksum (all dp ranks).
+        """Upstream's step, plus running counts (all dp ranks) of real tokens, captured tokens (padding included),
+        documents, supervised draft slots (block slots with a label) and a data checksum.
 
         Validation batches (``_run_eval``) are not counted.
         """
@@ -117,11 +128,19 @@ class PackedDSparkLoopHooks:
         ids = batch["input_ids"].to(torch.long)
         weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.long)
         checksum = int(((ids.cpu() * weights).sum(1) % 1_000_003).sum())
+        seq_lens = batch.get("seq_lens")
+        documents = (seq_lens > 0).sum() if seq_lens is not None else (batch["attention_mask"].sum(1) > 0).sum()
         metrics = self._draft_step(batch)
         # One all-reduce (and host read) carries the counters and whether any rank's loss is non-finite.
-        nonfinite = (~torch.isfinite(metrics.loss.detach())).to(torch.long).reshape(1).cpu()
-        stats = torch.cat([torch.tensor([int(batch["attention_mask"].sum()), checksum]), nonfinite])
-        tokens, checksum, bad_ranks = self._dp_allreduce(stats).tolist()
+        on_device = torch.stack(
+            [
+                (~torch.isfinite(metrics.loss.detach())).to(torch.long),
+                metrics.accept_rate_per_pos_den.sum().round().long(),
+            ]
+        ).cpu()
+        counts = [int(batch["attention_mask"].sum()), checksum, int(ids.numel()), int(documents)]
+        stats = torch.cat([torch.tensor(counts), on_device])
+        tokens, checksum, captured, documents, bad_ranks, supervised = self._dp_allreduce(stats).tolist()
         if bad_ranks:
             step = self.runtime.global_step + 1
             raise FloatingPointError(
@@ -132,6 +151,9 @@ class PackedDSparkLoopHooks:
                 )
             )
         self._tokens_seen += int(tokens)
+        self._captured_tokens += int(captured)
+        self._documents += int(documents)
+        self._supervised_slots += int(supervised)
         self._data_checksum = (self._data_checksum + int(checksum)) % 2**61
         self._trailing.add(metrics)
         self._micro_since_step += 1
@@ -172,10 +194,7 @@ class PackedDSparkLoopHooks:
         run's effective config and launch folder (``run_record.py``)."""
         super()._save_extra_state(path, epoch)
         save_run_record(self.cfg, path)
-        torch.save(
-            {"tokens_seen": self._tokens_seen, "data_checksum": self._data_checksum},
-            pathlib.Path(path) / "progress_meta.pt",
-        )
+        torch.save({**self._counters(), "tokens_seen": self._tokens_seen}, pathlib.Path(path) / "progress_meta.pt")
 
     def _load_extra_state(self, ckpt_dir: str) -> None:
         super()._load_extra_state(ckpt_dir)
@@ -183,6 +202,20 @@ class PackedDSparkLoopHooks:
         if meta.exists():
             state = torch.load(meta, map_location="cpu", weights_only=True)
             self._tokens_seen, self._data_checksum = int(state["tokens_seen"]), int(state["data_checksum"])
+            # Checkpoints written before these counters existed restart them at 0.
+            self._captured_tokens = int(state.get("captured_tokens", 0))
+            self._documents = int(state.get("documents", 0))
+            self._supervised_slots = int(state.get("supervised_slots", 0))
+
+    def _counters(self) -> dict[str, int]:
+        """The running counters each ``metrics.jsonl`` step record carries (all dp ranks, since step 0)."""
+        return {
+            "tokens": self._tokens_seen,
+            "captured_tokens": self._captured_tokens,
+            "documents": self._documents,
+            "supervised_slots": self._supervised_slots,
+            "data_checksum": self._data_checksum,
+        }
 
 
 __all__ = ["PackedDSparkLoopHooks"]

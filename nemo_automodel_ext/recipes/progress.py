@@ -2,8 +2,9 @@
 
 ``ProgressMetricLogger`` stands in for the recipe's metric logger: upstream's training loop
 hands it one ``MetricsSample`` per logged step (rank 0 only) and it writes one JSON object
-per step (``step``, ``epoch``, ``loss``, ``tokens``, ``tokens_per_s``, ``eta_s``, the recipe's
-running counters and every loss term) to ``metrics.jsonl``, keeps upstream's own ``dspark_train_metrics.jsonl``, and
+per step (``step``, ``epoch``, ``loss``, ``tokens``, ``tokens_per_s``, ``eta_s``, ``train_s``: seconds
+since this process started training, evaluations excluded; the recipe's running counters and every loss
+term) to ``metrics.jsonl``, keeps upstream's own ``dspark_train_metrics.jsonl``, and
 logs ``step N/T | loss | ... | tokens/s | ETA``: the run's one line per logged step
 (``quiet_upstream_step_lines`` drops upstream's duplicate line, the recipe drops its tqdm bar).
 Validation results (``log_eval``) are records with ``"split": "val"``.
@@ -56,6 +57,7 @@ class ProgressMetricLogger:
         self.counters = counters
         self.inner = inner
         self._start = time.perf_counter()
+        self._excluded = 0.0
         self._start_step = int(start_step)
         self._last_time, self._last_tokens = self._start, counters()["tokens"]
 
@@ -73,6 +75,7 @@ class ProgressMetricLogger:
         record = {"step": int(sample.step), "epoch": int(sample.epoch), **{k: int(v) for k, v in counters.items()}}
         record.update({key: float(value) for key, value in sample.metrics.items() if _is_number(value)})
         record.update({"tokens_per_s": tokens_per_s, "eta_s": eta if math.isfinite(eta) else None})
+        record["train_s"] = now - self._start - self._excluded
         self._file.write(json.dumps(record) + "\n")
         logger.info(
             "step %d/%d | epoch %d | loss %.4f | ce %.4f | tv %.4f | accept %.3f | tau %.2f | lr %.2e | "
@@ -90,6 +93,10 @@ class ProgressMetricLogger:
             tokens,
             format_eta(eta),
         )
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation) out of ``train_s``: seconds of this process spent training."""
+        self._excluded += seconds
 
     def log_eval(self, step: int, epoch: int, metrics: dict[str, Any]) -> None:
         """Record validation metrics at ``step`` as one ``"split": "val"`` record."""

@@ -38,6 +38,41 @@ def test_greedy_replay_equals_decoding_round_for_round(demo_pair):
     assert total.agreed_tokens == total.offered_tokens  # generated text is the target's own
 
 
+def test_unpacked_batches_replay_as_one_document_a_row(demo_pair):
+    """An unpacked loader's batch (one right-padded conversation a row, no seq_lens) scores exactly what the
+    same conversations score packed; the caller's tensors are untouched; a left-padded row is refused."""
+    wrapper, draft, _, tokenizer = demo_pair
+    prompts = [sequence.prompt for sequence in demo_sequences(8, seed=5)]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    continuations = greedy_generate(wrapper.model, prompts, MAX_NEW, eos)
+    sequences = [EvalSequence(tuple(p), tuple(c)) for p, c in zip(prompts, continuations)]
+    width = max(len(p) + len(c) for p, c in zip(prompts, continuations)) + 3
+    ids = torch.full((len(sequences), width), pad)
+    loss_mask, attention = torch.zeros_like(ids), torch.zeros_like(ids)
+    for row, (prompt, continuation) in enumerate(zip(prompts, continuations)):
+        tokens = [*prompt, *continuation]
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention[row, : len(tokens)] = 1
+        loss_mask[row, len(prompt) : len(tokens)] = 1
+    unpacked = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    before = {key: value.clone() for key, value in unpacked.items()}
+    stats = greedy_replay(wrapper, draft, unpacked)
+    assert set(unpacked) == set(before) and all(torch.equal(unpacked[k], before[k]) for k in before)
+    packed = None
+    for batch in pack_sequences(sequences, 128, 4, pad):
+        one = greedy_replay(wrapper, draft, batch)
+        packed = one if packed is None else packed.merge(one)
+    assert (stats.rounds, stats.committed, stats.reached, stats.accepted) == (
+        packed.rounds,
+        packed.committed,
+        packed.reached,
+        packed.accepted,
+    )
+    assert stats.sequences == len(sequences) and stats.reached[2] > 0  # accepted proposals to compare
+    with pytest.raises(ValueError, match="right-padded"):
+        greedy_replay(wrapper, draft, {**unpacked, "attention_mask": attention.flip(1)})
+
+
 def test_greedy_replay_equals_decoding_past_the_window(demo_pair):
     """Sequences of 150-200 tokens (over twice the demo's 64-token window, ratio-1 indexer layers):
     the one-forward replay commits exactly what round-by-round decoding commits (issue 17 item 4)."""

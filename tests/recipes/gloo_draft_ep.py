@@ -20,6 +20,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from dspark_checks import packing_tensors
 from gloo_exit import finish
 from nemo_automodel.components.training.utils import scale_grads_and_clip_grad_norm
 from torch.distributed.device_mesh import init_device_mesh
@@ -34,14 +35,6 @@ SEQ_LENS = torch.tensor([[5, 0, 17, 18, 0], [9, 3, 28, -1000, 0]])
 SEQUENCE = 40
 ANCHORS = 64
 LAYOUTS = ((1, 1), (2, 1), (4, 1), (2, 2))  # (draft EP, CP) over four ranks
-
-
-def packing_tensors(seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """position_ids, doc_remaining and a loss mask (first two tokens of each document unsupervised)."""
-    rows = [[n for n in row if n > 0] for row in seq_lens.tolist()]
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
-    remaining = torch.stack([torch.cat([torch.arange(n - 1, -1, -1) for n in row]) for row in rows])
-    return positions, remaining, (positions >= 2).long()
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from dspark_checks import packing_tensors
 from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_automodel_ext.models.deepseek_v41.anchors import select_packed_anchors
@@ -36,14 +37,6 @@ SEQ_LENS = torch.tensor([[5, 0, 17, 18, 0], [9, 3, 28, -1000, 0]])
 SEQUENCE = 40
 ANCHORS_PER_DOCUMENT = 6
 METRICS = ("ce_loss", "l1_loss", "confidence_loss", "tau_num", "tau_den", "confidence_abs_error_num")
-
-
-def packing_tensors(seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """position_ids, doc_remaining and a loss mask (first two tokens of each document unsupervised)."""
-    rows = [[n for n in row if n > 0] for row in seq_lens.tolist()]
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
-    remaining = torch.stack([torch.cat([torch.arange(n - 1, -1, -1) for n in row]) for row in rows])
-    return positions, remaining, (positions >= 2).long()
 
 
 def main() -> None:

@@ -1,0 +1,40 @@
+"""The skewed multi-turn mix of the packing comparison: held-out prompts, the target's own answers, its tail."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from nemo_automodel_ext.demo.demo_target import load_demo_target
+from nemo_automodel_ext.demo.multiturn import MAX_TURNS, ensure_multiturn_mix, turns
+from nemo_automodel_ext.demo.tiny_assets import regenerate
+from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, held_out
+
+
+def test_turns_are_lognormal_with_a_long_bounded_tail():
+    drawn = [turns(random.Random(seed)) for seed in range(4000)]
+    assert min(drawn) == 1 and max(drawn) == MAX_TURNS
+    median = sorted(drawn)[len(drawn) // 2]
+    assert median == 3 and sum(d >= 8 for d in drawn) / len(drawn) > 0.1  # a tail of long conversations
+
+
+def test_validation_prompts_are_held_out_and_every_answer_is_the_target_s(tmp_path):
+    folder = ensure_multiturn_mix(tmp_path / "mix", train_samples=8, val_samples=4)
+    samples = {
+        split: [json.loads(line)["messages"] for line in (folder / f"{split}.jsonl").read_text().splitlines()]
+        for split in ("train", "val")
+    }
+    assert (len(samples["train"]), len(samples["val"])) == (8, 4)
+    prompts = {
+        split: [m["content"].removeprefix("please ") for c in conversations for m in c if m["role"] == "user"]
+        for split, conversations in samples.items()
+    }
+    assert all(held_out(p) for p in prompts["val"]) and not any(held_out(p) for p in prompts["train"])
+    assert not set(prompts["train"]) & set(prompts["val"])
+    # Each assistant turn is what the target answers greedily given the conversation before it.
+    model, tokenizer = load_demo_target(), build_tokenizer()
+    for conversation in samples["train"][:3]:
+        assert [m["role"] for m in conversation] == ["user", "assistant"] * (len(conversation) // 2)
+        for end in range(2, len(conversation) + 1, 2):
+            again = regenerate(model, tokenizer, [{"messages": conversation[:end]}])[0]["messages"]
+            assert again == conversation[:end]
