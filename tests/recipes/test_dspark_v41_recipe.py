@@ -287,8 +287,8 @@ def test_tiny_cpu_run_learns_logs_and_checkpoints(uninterrupted):
     # Each checkpoint records the effective config (the command line's overrides) and the launch folder,
     # and the output folder points at the checkpoints (what the evaluator reads).
     effective = yaml.safe_load((checkpoints[0] / "run_config.yaml").read_text())
-    assert effective["recipe_args"]["num_epochs"] == 1  # the YAML says 11; the run was launched with 1
-    assert yaml.safe_load((checkpoints[0] / "config.yaml").read_text())["recipe_args"]["num_epochs"] == 11
+    assert effective["recipe_args"]["num_epochs"] == 1  # the YAML says 10; the run was launched with 1
+    assert yaml.safe_load((checkpoints[0] / "config.yaml").read_text())["recipe_args"]["num_epochs"] == 10
     assert json.loads((checkpoints[0] / "run.json").read_text())["launch_dir"] == str(workdir)
     pointer = json.loads((workdir / "full" / "run.json").read_text())
     assert pointer["checkpoint_dir"] == str(workdir / "full" / "checkpoints")
