@@ -158,6 +158,7 @@ def test_both_distillation_losses_off_is_refused():
 
 def test_eval_every_steps_needs_held_out_prompts():
     cfg = _tiny_cfg()
+    cfg.set_by_dotted("recipe_args.eval_every_steps", 100)
     cfg.set_by_dotted("recipe_args.val_data_path", None)
     with pytest.raises(ValueError, match="eval_every_steps needs held-out prompts"):
         validate_recipe_config(cfg, 1, "cpu")
@@ -403,15 +404,17 @@ def test_fsdp2_draft_trains_and_resumes_exactly(uninterrupted, cp_size, ep_size)
     assembled = read_sharded_draft(last / "model")
     assert all(torch.equal(exported[key], assembled[key]) for key in exported)
     # Loaded fresh by the evaluator on one process, the exported draft accepts what the trained draft accepted in
-    # the run's own evaluation at that step (both replay every held-out prompt greedily): exactly, or under CP
-    # (where the run's evaluation captured through the CP shards) as closely as CP=1 and CP=2 agree.
+    # the run's own evaluation at that step (both replay every held-out prompt greedily). The two pack the prompts
+    # into different rows (the validation loader's, split over the ranks, against the evaluator's), so the
+    # features differ by fp32 rounding and a near-tie argmax of the barely trained draft can flip: within 0.005
+    # (measured: 3e-4), or under CP (the run's evaluation captured through the CP shards) as CP=1 and CP=2 agree.
     from nemo_automodel_ext.evaluation.cli import evaluate_checkpoints
 
     step = int(last.name.rsplit("_step_", 1)[1])
     in_run = [r for r in read_records(workdir / run) if r.get("split") == "val" and r["step"] == step]
     assert in_run, f"no in-run evaluation at the exported step {step}"
     report = evaluate_checkpoints(last, output=workdir / run / "exported_eval.json")
-    tolerance = {"rel": 1e-12} if cp_size == 1 else {"abs": 0.02}
+    tolerance = {"abs": 0.005} if cp_size == 1 else {"abs": 0.02}
     assert report["greedy"][last.name]["tau"] == pytest.approx(in_run[-1]["greedy_tau"], **tolerance)
     run_tiny_recipe(workdir, resumed_run, *common, f"--checkpoint.restore_from={checkpoint}", nproc=2)
     full, resumed = read_metrics(workdir / run), read_metrics(workdir / resumed_run)
@@ -434,6 +437,7 @@ def test_accumulation_reduce_scatters_every_micro_batch_with_the_deferred_sync_s
         "--distributed.strategy=fsdp2",
         "--recipe_args.micro_batch_size=4",
         "--recipe_args.grad_accumulation_steps=2",
+        "--optimizer.lr=5.0e-3",  # the rate the tolerances below were measured at (AdamW scales rounding noise)
         "--checkpoint.save_consolidated=false",
         "--recipe_args.ckpt_every_steps=5",
     )
