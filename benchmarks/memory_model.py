@@ -1,6 +1,6 @@
 """Per-GPU memory and per-step traffic of packed DSpark on DeepSeek-V4.1-Flash, from the memory model.
 
-Run: ``.venv/bin/python benchmarks/memory_model.py [RECIPE_YAML ...] [--gpus N --gpu-gib G] [--markdown]``
+Run: ``.venv/bin/python benchmarks/memory_model.py [RECIPE_YAML ...] [--gpus N --gpu-gib G]``
 
 For each recipe YAML (default: the shipped GPU recipes) it reads the layout (EP, CP, rows,
 anchors, strategy) and prints:

@@ -204,8 +204,11 @@ class Layout:
         defer_grad_sync: FSDP2 skips the reduce-scatter until the last micro-batch
             (``distributed.defer_fsdp_grad_sync``), holding unsharded fp32 gradients until then.
         draft_ep: Ranks the draft's routed experts are spread over (``recipe_args.draft_ep_size``;
-            FSDP2 only): each rank gathers experts / draft_ep of a layer, and upstream's all-gather
-            dispatcher exchanges the draft tokens of the group.
+            FSDP2 only): each rank gathers experts / draft_ep of a layer.
+        draft_ep_dispatch: How the draft's tokens reach their experts' ranks
+            (``recipe_args.draft_ep_dispatcher``): ``all_to_all`` sends each routed pair to its
+            expert's rank and back; ``all_gather`` (upstream's) gathers the group's tokens and
+            all-reduces the fp32 output.
     """
 
     gpus: int
@@ -220,6 +223,7 @@ class Layout:
     grad_accumulation: int = 1
     defer_grad_sync: bool = False
     draft_ep: int = 1
+    draft_ep_dispatch: str = "all_to_all"
 
 
 @dataclass(frozen=True)
@@ -401,6 +405,7 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
     draft_gathered_layer = counts.draft_layer - counts.draft_layer_experts * ep_share
     draft_tokens = layout.rows * anchors * w["block"]
     deferred = fsdp and layout.defer_grad_sync and layout.grad_accumulation > 1
+    all_to_all = layout.draft_ep_dispatch == "all_to_all"
     per_parameter = BF16 + calibration.draft_gradients + calibration.optimizer_state
     memory = {
         "target shards (bf16)": BF16 * counts.target / g,
@@ -431,9 +436,15 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
             "draft layer gradients + fp32 reduce-scatter input (FSDP2)": (BF16 + FP32) * draft_gathered_layer
             if fsdp
             else 0,
-            # Upstream's all-gather dispatcher (draft EP) beyond the measured EP 1 step: the other members'
-            # tokens [(draft_ep - 1) x tokens, hidden] in bf16, the fp32 output all-reduced and its gradient.
-            "draft EP all-gather dispatch": (layout.draft_ep - 1) * draft_tokens * w["hidden"] * (BF16 + 2 * FP32)
+            # Draft EP beyond the measured EP 1 step. All-to-all (routing balanced): the pairs sent, received
+            # and returned [tokens x topk, hidden] in bf16, their fp32 expert output, the fp32 combine.
+            # Upstream's all-gather: the other members' tokens [(draft_ep - 1) x tokens, hidden] in bf16,
+            # the fp32 output all-reduced and its gradient.
+            "draft EP dispatch buffers": (
+                draft_tokens * w["hidden"] * (w["draft_topk"] * (3 * BF16 + FP32) + FP32)
+                if all_to_all
+                else (layout.draft_ep - 1) * draft_tokens * w["hidden"] * (BF16 + 2 * FP32)
+            )
             if layout.draft_ep > 1
             else 0,
             # ... and the root unit, which FSDP2 does not reshard after forward.
@@ -483,14 +494,19 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         )
         if layout.strategy == "fsdp2"
         else 2 * FP32 * counts.draft_trainable * peers,
-        # Per draft layer and pass (forward, recompute, backward): the tokens all-gathered in bf16 to
-        # draft_ep - 1 peers, the fp32 output [draft_ep x tokens, hidden] all-reduced (ring: 2x).
-        "draft EP dispatch (all-gather, all-reduce)": 3
+        # Per draft layer and pass (forward, recompute, backward). All-to-all: each routed pair's bf16
+        # activations to its expert's rank and its output back, (draft_ep - 1) / draft_ep of them leaving the
+        # rank. All-gather: the tokens gathered in bf16 to draft_ep - 1 peers, the fp32 output
+        # [draft_ep x tokens, hidden] all-reduced (ring: 2x).
+        "draft EP dispatch": 3
         * w["draft_layers"]
-        * (layout.draft_ep - 1)
         * draft_tokens
         * w["hidden"]
-        * (BF16 + 2 * FP32),
+        * (
+            2 * BF16 * w["draft_topk"] * (layout.draft_ep - 1) / layout.draft_ep
+            if all_to_all
+            else (layout.draft_ep - 1) * (BF16 + 2 * FP32)
+        ),
     }
     groups = {name: "world" for name in traffic}
     groups.update(
@@ -498,7 +514,7 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
             "MoE dispatch + combine": "ep",
             "target CP (compressed KV + window halo)": "cp",
             "draft features (halo or all-gather)": "cp",
-            "draft EP dispatch (all-gather, all-reduce)": "draft_ep",
+            "draft EP dispatch": "draft_ep",
         }
     )
     return Estimate(memory, traffic, layout, phases, peak_phase, groups)
@@ -506,7 +522,8 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
 
 def candidate_layouts(layout: Layout, experts: int | None = None, draft_experts: int | None = None) -> list[Layout]:
     """Layouts near ``layout``, nearest first: more CP at the same GPUs, then more nodes, then EP; at each,
-    the layout's own draft EP first, then the draft's experts spread over 8 ranks (a node), then 16 (FSDP2).
+    the layout's own draft EP first, then the draft's experts spread over 8 ranks (a node), 16, and every
+    rank (FSDP2).
 
     Args:
         layout: The layout to start from.
@@ -514,9 +531,10 @@ def candidate_layouts(layout: Layout, experts: int | None = None, draft_experts:
         draft_experts: Routed experts a draft layer; a draft EP size must divide them (None: any).
     """
     candidates = []
-    draft_eps = [layout.draft_ep] + [d for d in (8, 16) if d > layout.draft_ep and layout.strategy == "fsdp2"]
     for nodes_factor in (1, 2, 4, 8):
         gpus = layout.gpus * nodes_factor
+        spreads = (8, 16, gpus) if layout.strategy == "fsdp2" else ()
+        draft_eps = [layout.draft_ep] + sorted({d for d in spreads if d > layout.draft_ep})
         for cp in (layout.cp, 2 * layout.cp, 4 * layout.cp, 8 * layout.cp):
             if gpus % cp:
                 continue
@@ -543,7 +561,7 @@ def nearest_fitting(counts: ModelCounts, layout: Layout, margin: float = 0.1) ->
 def describe(layout: Layout) -> str:
     return (
         f"{layout.gpus} GPUs of {layout.gpu_gib:g} GiB, ep_size={layout.ep}, cp_size={layout.cp}, "
-        f"draft_ep_size={layout.draft_ep}, "
+        f"draft_ep_size={layout.draft_ep}" + (f" ({layout.draft_ep_dispatch})" if layout.draft_ep > 1 else "") + ", "
         f"{layout.rows} x {layout.row_tokens} tokens a micro-batch, {layout.anchors_per_row} anchors a row"
     )
 
@@ -567,6 +585,7 @@ def layout_from_config(cfg: Any, args: dict[str, Any], world_size: int, gpu_gib:
         ep=int(get("ep_size", 1) or 1),
         cp=int(get("cp_size", 1) or 1),
         draft_ep=int(args.get("draft_ep_size", 1) or 1),
+        draft_ep_dispatch=str(args.get("draft_ep_dispatcher", "all_to_all")),
         rows=int(args["micro_batch_size"]),
         row_tokens=row_tokens,
         anchors_per_row=int(anchors),

@@ -161,7 +161,8 @@ def step_time(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime:
 
 def fastest_fitting(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime | None:
     """The EP, CP and draft EP sizes (same GPUs, rows and anchors) with the most tokens/s a GPU that fit with
-    10% to spare.
+    10% to spare; among layouts within a token a second of it (compute-bound layouts tie), the one with the
+    least communication time, then the most headroom.
 
     EP sizes divide both the ranks and the target's routed experts, draft EP sizes the ranks and the
     draft's (FSDP2 only); CP sizes divide the ranks and the row into compression-aligned shards.
@@ -176,9 +177,13 @@ def fastest_fitting(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> Step
                 timed = step_time(counts, candidate, gpu, text)
                 if timed.memory.headroom < FIT_MARGIN * timed.memory.usable:
                     continue
-                if best is None or timed.tokens_per_s > best.tokens_per_s:
+                if best is None or _preference(timed) > _preference(best):
                     best = timed
     return best
+
+
+def _preference(timed: StepTime) -> tuple[int, float, float]:
+    return round(timed.tokens_per_s), -timed.communication_s, timed.memory.headroom
 
 
 __all__ = ["GPU", "GPUS", "MFU", "StepTime", "fastest_fitting", "micro_batch_flops", "step_time"]

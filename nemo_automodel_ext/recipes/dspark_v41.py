@@ -231,6 +231,7 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
             self.draft_mesh,
             self.compute_dtype,
             experts=self.draft_expert_mesh,
+            dispatcher=str(args["draft_ep_dispatcher"]),
         )
         self._precompute_fp8_scales = False
 

@@ -6,12 +6,15 @@ every rank holds one replica (DDP) or one shard (FSDP2) of a single draft.
 
 With ``recipe_args.draft_ep_size`` E > 1 (FSDP2 only) the draft's routed experts are placed by
 upstream's ``apply_ep`` on the "ep" axis of ``expert_mesh`` (E consecutive ranks, each holding
-experts / E of every layer, tokens exchanged by upstream's all-gather dispatcher), and FSDP2
-shards each rank's experts over the "ep_shard" axis (world / E ranks holding the same experts).
-Everything else stays FSDP2 over dp x cp, so no rank gathers a whole layer's experts.
+experts / E of every layer), and FSDP2 shards each rank's experts over the "ep_shard" axis
+(world / E ranks holding the same experts; none when E is the world). Everything else stays FSDP2
+over dp x cp, so no rank gathers a whole layer's experts. Tokens reach their experts all-to-all
+(``recipe_args.draft_ep_dispatcher: all_to_all``, ``models/deepseek_v41/expert_dispatch.py``:
+each routed pair to its expert's rank and back) or by upstream's all-gather of the group's tokens
+and all-reduce of the output (``all_gather``).
 
-Gradient scale: each expert shard's gradient sums the losses of its E-rank group (the dispatcher's
-all-reduce carries every group member's tokens back), and "ep_shard" sums the world / E groups;
+Gradient scale: each expert shard's gradient sums the losses of its E-rank group (the dispatcher
+carries every group member's routed tokens to it), and "ep_shard" sums the world / E groups;
 dividing that reduction by the world size (``set_gradient_divide_factor``) gives the mean over
 ranks that the rest of the draft gets, so EP E trains exactly like EP 1 (tests/recipes/gloo_draft_ep.py).
 """
@@ -31,6 +34,7 @@ def parallelize_draft(
     mesh: DeviceMesh | None,
     compute_dtype: torch.dtype,
     experts: DeviceMesh | None = None,
+    dispatcher: str = "all_to_all",
 ) -> torch.nn.Module:
     """Replicate (DDP) or shard (FSDP2, per draft layer) the trainable draft over ``mesh``.
 
@@ -44,6 +48,8 @@ def parallelize_draft(
         compute_dtype: FSDP2 parameter dtype (gradients reduce in fp32).
         experts: ``expert_mesh`` ("ep_shard", "ep") to place the routed experts with expert
             parallelism (FSDP2 only), or None to shard them with their layer.
+        dispatcher: With ``experts``: ``all_to_all`` (``expert_dispatch.py``) or ``all_gather``
+            (upstream's ``GroupedExperts``).
 
     Returns:
         The wrapped module (the same object on one rank); with ``experts``, every draft layer's
@@ -65,7 +71,7 @@ def parallelize_draft(
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     fp32_names = tuple(getattr(trainer_module.draft_model, "_keep_in_fp32_modules_strict", ()))
     if experts is not None:
-        _shard_experts(trainer_module.draft_model, experts, policy, world_size)
+        _shard_experts(trainer_module.draft_model, experts, policy, world_size, dispatcher)
     for layer in trainer_module.draft_model.layers:
         fully_shard_by_dtype(
             layer, mesh=mesh, mp_policy=policy, offload_policy=None, fp32_compute_module_names=fp32_names
@@ -84,12 +90,19 @@ def expert_mesh(device_type: str, world_size: int, ep_size: int) -> DeviceMesh:
     return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("ep_shard", "ep"))
 
 
-def _shard_experts(draft: torch.nn.Module, experts: DeviceMesh, policy, world_size: int) -> None:
+def _shard_experts(draft: torch.nn.Module, experts: DeviceMesh, policy, world_size: int, dispatcher: str) -> None:
     """Expert-parallel routed experts (upstream's ``apply_ep``), FSDP2 over "ep_shard", mean-reduced."""
     from nemo_automodel.components.moe.parallelizer import apply_ep
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
+    from nemo_automodel_ext.models.deepseek_v41.expert_dispatch import DISPATCHERS, use_all_to_all_dispatch
+
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"recipe_args.draft_ep_dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+    if dispatcher == "all_to_all":
+        for layer in draft.layers:
+            use_all_to_all_dispatch(layer.mlp.experts)
     apply_ep(draft, experts["ep"])
     for layer in draft.layers:
         # Dim 1 (hidden or expert width): a rank's local experts may be fewer than the ep_shard ranks.

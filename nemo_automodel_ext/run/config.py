@@ -23,6 +23,7 @@ RECIPE_ARGS: dict[str, Any] = {
     "target_enable_fsdp_optimizations": True,
     "draft_attn_backend": "sdpa",
     "draft_ep_size": 1,
+    "draft_ep_dispatcher": "all_to_all",
     "chat_template": None,
     "train_data_path": None,
     "val_data_path": None,
@@ -90,6 +91,8 @@ CHOICES = {
     "target_experts": ("torch", "torch_mm", "te", "gmm", "torch_mm_mxfp8"),
     "target_attn_backend": ("eager", "sdpa", "tilelang", "te", "flex", "torch"),
     "draft_attn_backend": ("eager", "sdpa", "flex", "te", "torch"),
+    # models/deepseek_v41/expert_dispatch.py (all_to_all) or upstream's GroupedExperts EP (all_gather).
+    "draft_ep_dispatcher": ("all_to_all", "all_gather"),
 }
 #: Seeds feed numpy (StatefulRNG seeds it with shuffle_seed + dp rank), which takes 32-bit seeds.
 MAX_SEED = 2**32 - 1

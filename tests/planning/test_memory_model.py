@@ -103,14 +103,38 @@ def test_eight_h100_nodes_need_the_draft_s_experts_on_ep(flash):
     # EP sizes the candidates offer divide the 384 target experts and the 128 draft experts.
     assert "the nearest layout that fits is 64 GPUs of 80 GiB, ep_size=64, cp_size=4, draft_ep_size=8" in message
 
-    spread = estimate(counts, replace(layout, draft_ep=8))
+    spread = estimate(counts, replace(layout, draft_ep=8, draft_ep_dispatch="all_gather"))
     layer = counts.draft_layer - counts.draft_layer_experts * 7 / 8
     assert spread.phases["draft step"]["draft gathered layers (FSDP2)"] == 2 * 2 * layer
     tokens = 2048 // 4 * 5  # a rank's anchors x block
-    assert spread.traffic["draft EP dispatch (all-gather, all-reduce)"] == 3 * 3 * 7 * tokens * 5120 * (2 + 8)
+    # Upstream's all-gather, per layer and pass: 7 peers' tokens in bf16, the fp32 output all-reduced (2x).
+    assert spread.traffic["draft EP dispatch"] == 3 * 3 * 7 * tokens * 5120 * (2 + 8)
     before = result.traffic["draft FSDP (gather x2, reduce-scatter fp32)"]
     after = sum(spread.traffic[name] for name in spread.traffic if name.startswith("draft") and "features" not in name)
     assert after < before / 4, (after / GIB, before / GIB)
+    # All-to-all: each of the 3 routed pairs a token out and back in bf16, 7/8 of them to other ranks.
+    pairs = estimate(counts, replace(layout, draft_ep=8))
+    assert pairs.traffic["draft EP dispatch"] == pytest.approx(3 * 3 * tokens * 5120 * 2 * 2 * 3 * 7 / 8)
+    assert pairs.traffic["draft EP dispatch"] < spread.traffic["draft EP dispatch"] / 6
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+def test_gpu_recipes_keep_the_draft_under_10_gib_of_traffic_and_never_gather_its_experts(flash, name):
+    """The draft's experts on every rank (draft EP = GPUs: no FSDP2 gather of experts) reached all-to-all: the
+    draft sends at most 10 GiB a GPU per micro-batch (issue 16's goal)."""
+    _, counts = flash
+    cfg = load_yaml_config(REPO / "recipes" / "deepseek_v41" / name)
+    gpus, gib = GPU_RECIPES[name]
+    layout = layout_from_config(cfg, validate_recipe_config(cfg, gpus, "cuda", require_packages=False), gpus, gib)
+    assert layout.draft_ep == gpus and layout.draft_ep_dispatch == "all_to_all"
+    result = estimate(counts, layout)
+    draft = {name: sent for name, sent in result.traffic.items() if name.startswith("draft")}
+    assert sum(draft.values()) <= 10 * GIB, {name: sent / GIB for name, sent in draft.items()}
+    # FSDP2 traffic: only the non-expert parameters (experts never gather when every rank holds its own).
+    peers = (gpus - 1) / gpus
+    assert draft["draft FSDP (gather x2, reduce-scatter fp32)"] == pytest.approx(
+        (2 * 2 + 4) * (counts.draft_trainable - counts.draft_experts) * peers
+    )
 
 
 def test_expert_shards_gather_only_over_the_ranks_sharing_their_experts(flash):
@@ -133,6 +157,7 @@ def test_one_node_is_refused_with_the_estimate_and_the_nearest_layout(flash, tmp
     # The recipe's check reads only the target's config.json.
     DeepseekV41Config(text_config=text.to_dict(), vision_config={"num_hidden_layers": 0}).save_pretrained(tmp_path)
     cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node_cp.yaml")
+    cfg.recipe_args.draft_ep_size = 8  # the recipe's draft EP is its 32 GPUs; one node has 8
     args = validate_recipe_config(cfg, 8, "cuda", require_packages=False)
     with pytest.raises(ValueError, match="GiB a GPU"):
         check_layout_memory(cfg, args, str(tmp_path), 8, 141)

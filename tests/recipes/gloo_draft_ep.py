@@ -2,9 +2,9 @@
 
 Every rank builds the same tiny target and draft. The reference is the draft alone: the mean
 loss of the micro-batches of every dp group, one backward, upstream's clip. Then, for each
-layout (EP 1, EP 2, EP 4 over four dp ranks; EP 2 over dp 2 x CP 2), the recipe's
-``parallelize_draft`` (FSDP2, experts on ``expert_mesh``) trains its micro-batch (under CP its
-shard of it) and must give:
+layout (EP 1, EP 2, EP 4 over four dp ranks; EP 2 over dp 2 x CP 2; the all-to-all dispatcher,
+and upstream's all-gather one for EP 4 and EP 2 x CP 2), the recipe's ``parallelize_draft``
+(FSDP2, experts on ``expert_mesh``) trains its micro-batch (under CP its shard of it) and must give:
 
 - the reference loss (mean over ranks) and every gradient (``full_tensor``), and the same
   clipped norm from upstream's ``scale_grads_and_clip_grad_norm`` (what the recipe's loop calls);
@@ -34,7 +34,15 @@ from nemo_automodel_ext.recipes.parallel import draft_mesh, expert_mesh, paralle
 SEQ_LENS = torch.tensor([[5, 0, 17, 18, 0], [9, 3, 28, -1000, 0]])
 SEQUENCE = 40
 ANCHORS = 64
-LAYOUTS = ((1, 1), (2, 1), (4, 1), (2, 2))  # (draft EP, CP) over four ranks
+# (draft EP, CP, dispatcher) over four ranks
+LAYOUTS = (
+    (1, 1, "all_to_all"),
+    (2, 1, "all_to_all"),
+    (4, 1, "all_to_all"),
+    (2, 2, "all_to_all"),
+    (4, 1, "all_gather"),
+    (2, 2, "all_gather"),
+)
 
 
 def main() -> None:
@@ -52,7 +60,7 @@ def main() -> None:
     experts, block = draft.config.dspark_n_routed_experts, text.dspark_block_size
     released_keys = sorted(draft.state_dict_adapter.to_hf(draft.state_dict()))
 
-    for ep, cp in LAYOUTS:
+    for ep, cp, dispatcher in LAYOUTS:
         dp = world // cp
         # The dp groups' micro-batches as rows of one batch: upstream's loss normalises by the
         # world-wide denominator, so the reference is one step on all of them (every anchor drawn).
@@ -78,6 +86,7 @@ def main() -> None:
             draft_mesh(device_mesh),
             torch.float32,
             experts=expert_mesh("cpu", world, ep) if ep > 1 else None,
+            dispatcher=dispatcher,
         )
         d = device_mesh["dp"].get_local_rank() if cp > 1 else dist.get_rank()
         rows = slice(2 * d, 2 * d + 2)
@@ -102,7 +111,7 @@ def main() -> None:
         ).loss
         loss.backward()
         norm = scale_grads_and_clip_grad_norm(1.0, [native])
-        label = f"EP {ep} x CP {cp}"
+        label = f"EP {ep} x CP {cp} ({dispatcher})"
 
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)

@@ -139,6 +139,7 @@ def _tiny_cfg():
         ("recipe_args.draft_ep_size", 0, 2, "cpu", "draft_ep_size must be an integer >= 1"),
         ("recipe_args.draft_ep_size", 2, 2, "cpu", "needs distributed.strategy: fsdp2 \\(got ddp\\)"),
         ("recipe_args.draft_ep_size", 4, 2, "cpu", "must divide the number of ranks \\(2\\)"),
+        ("recipe_args.draft_ep_dispatcher", "alltoall", 2, "cpu", "draft_ep_dispatcher must be one of"),
     ],
 )
 def test_invalid_configs_say_what_to_fix(key, value, world, device, fragment):
