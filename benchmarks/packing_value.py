@@ -136,7 +136,7 @@ def sampled_tau(output: Path) -> tuple[float, float]:
     """Mean and standard error over ``SEEDS`` of the final draft's tau, sampling verification at T=1."""
     import torch
 
-    from nemo_automodel_ext.evaluation.acceptance import sampled_decode
+    from nemo_automodel_ext.evaluation.acceptance import sampled_decode, sampling_width
     from nemo_automodel_ext.evaluation.cli import build_draft, evaluation_sequences, load_run, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(output)
@@ -144,7 +144,7 @@ def sampled_tau(output: Path) -> tuple[float, float]:
     _, sequences = evaluation_sequences(run, None, None)
     draft = build_draft(run, checkpoint)
     prompts = [sequence.prompt for sequence in sequences]
-    width = max(int(run.args["packed_sequence_size"] or run.args["seq_length"]), 128) + 64
+    width = sampling_width(int(run.args["packed_sequence_size"] or run.args["seq_length"]), 64)  # as make eval
     eos = run.tokenizer.eos_token_id
     taus = [
         sampled_decode(run.target, draft, prompts, 1.0, seed, 64, eos, width=width).summary()["tau"] for seed in SEEDS

@@ -318,6 +318,16 @@ def speculative_verify(
 
 
 @torch.no_grad()
+def sampling_width(row_width: int, max_new_tokens: int) -> int:
+    """Row width sampling verification packs its sequences into: the run's row, or room for two generations.
+
+    Args:
+        row_width: The run's packed row width (``packed_sequence_size`` or ``seq_length``).
+        max_new_tokens: Generation limit per prompt.
+    """
+    return max(row_width, 2 * max_new_tokens)
+
+
 def sampled_decode(
     target,
     draft,

@@ -30,7 +30,7 @@ from nemo_automodel.components.checkpoint.utils import (
     resolve_restore_from_to_checkpoint_dir,
 )
 
-from nemo_automodel_ext.evaluation.acceptance import evaluate_greedy, sampled_decode
+from nemo_automodel_ext.evaluation.acceptance import evaluate_greedy, sampled_decode, sampling_width
 from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences, read_eval_sequences
 from nemo_automodel_ext.export import read_draft
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
@@ -305,7 +305,7 @@ def evaluate_checkpoints(
                 seed,
                 max_new_tokens,
                 run.tokenizer.eos_token_id,
-                width=max(width, 2 * max_new_tokens),
+                width=sampling_width(width, max_new_tokens),
             ).summary()
     agreement = next(iter(results.values()))["agreement"]
     print(

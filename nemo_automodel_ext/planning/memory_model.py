@@ -496,7 +496,9 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         else 2 * FP32 * counts.draft_trainable * peers,
         # Per draft layer and pass (forward, recompute, backward). All-to-all: each routed pair's bf16
         # activations to its expert's rank and its output back, (draft_ep - 1) / draft_ep of them leaving the
-        # rank. All-gather: the tokens gathered in bf16 to draft_ep - 1 peers, the fp32 output
+        # rank (the bytes of a pair counted on gloo: tests/models/deepseek_v41/gloo_expert_dispatch.py; the routing
+        # counts and int64 expert ids, 8 bytes a pair, are left out). All-gather: the tokens gathered in bf16 to
+        # draft_ep - 1 peers, the fp32 output
         # [draft_ep x tokens, hidden] all-reduced (ring: 2x).
         "draft EP dispatch": 3
         * w["draft_layers"]

@@ -8,7 +8,8 @@ group's tokens concatenated. For EP 2 (two groups) and EP 4, the loop and groupe
 and the router weight before and after the down projection, ``AllToAllGroupedExperts`` on
 upstream's ``ExpertParallel`` placement must give each rank's output rows and the gradients of
 its activations, its routing weights and its experts' parameter shards, without any all-gather,
-and leave its inputs unmutated. Upstream's all-gather EP passes the same checks (the harness).
+send exactly the activations of its pairs routed elsewhere and the outputs of the pairs routed to
+it, and leave its inputs unmutated. Upstream's all-gather EP passes the same checks (the harness).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nemo_automodel.components.moe.parallelizer import ExpertParallel
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from nemo_automodel_ext.models.deepseek_v41 import expert_dispatch
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.expert_dispatch import AllToAllGroupedExperts, use_all_to_all_dispatch
 from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, released_draft_options
@@ -60,7 +62,7 @@ def main() -> None:
         for param in base.parameters():
             param.normal_(0, 0.5)
     experts, topk, hidden = base.n_routed_experts, base.config.n_activated_experts, base.config.dim
-    real_all_gather = dist.all_gather
+    real_all_gather, real_all_to_all = dist.all_gather, expert_dispatch.all_to_all_single_autograd
     checked = 0
     for seed, (ep, grouped_mm, after_down, routing, empty_rank) in enumerate(
         [
@@ -99,17 +101,33 @@ def main() -> None:
             x, mask, weights, indices, grad_out = per_rank[rank]
             originals = [t.clone() for t in (x, mask, weights, indices)]
             x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            sent = []  # bytes each forward all-to-all of activations sends to other ranks
             if dispatcher == "all_to_all":
 
                 def refuse(*args, **kwargs):
                     raise AssertionError("the all-to-all dispatcher all-gathered")
 
+                def counted(tensor, output_splits, input_splits, group):
+                    own = input_splits[mesh.get_local_rank()]
+                    sent.append((tensor.size(0) - own) * tensor.size(1) * tensor.element_size())
+                    return real_all_to_all(tensor, output_splits, input_splits, group)
+
                 dist.all_gather = refuse
+                expert_dispatch.all_to_all_single_autograd = counted
             try:
                 out = module(x, mask, weights, indices)
                 (out * grad_out).sum().backward()
             finally:
                 dist.all_gather = real_all_gather
+                expert_dispatch.all_to_all_single_autograd = real_all_to_all
+            if dispatcher == "all_to_all":
+                # Traffic: the activations of the pairs routed to other ranks out, the outputs of the pairs other
+                # ranks routed here back, each [pairs, hidden] once a pass (what the memory model counts).
+                me = mesh.get_local_rank()
+                owner = [torch.div(per_rank[r][3][per_rank[r][1]], experts // ep, rounding_mode="floor") for r in group]
+                out_pairs = int((owner[group.index(rank)] != me).sum())
+                in_pairs = sum(int((owner[i] == me).sum()) for i, r in enumerate(group) if r != rank)
+                assert sum(sent) == (out_pairs + in_pairs) * hidden * x.element_size(), (label, sent)
             for before, after in zip(originals, (x, mask, weights, indices)):
                 assert torch.equal(before, after.detach()), label
             torch.testing.assert_close(out, expected[rows].detach(), atol=1e-5, rtol=1e-5, msg=label)
