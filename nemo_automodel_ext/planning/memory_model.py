@@ -175,6 +175,8 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
             "topk": int(text.num_experts_per_tok),
             "moe_inter": int(text.moe_intermediate_size),
             "draft_topk": int(text.dspark_num_experts_per_tok),
+            "draft_experts": int(text.dspark_n_routed_experts),
+            "shared_experts": int(text.n_shared_experts or 0),
             "vocab": int(text.vocab_size),
             "window": int(text.sliding_window),
             "block": int(text.dspark_block_size),
@@ -444,6 +446,23 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
                 draft_tokens * w["hidden"] * (w["draft_topk"] * (3 * BF16 + FP32) + FP32)
                 if all_to_all
                 else (layout.draft_ep - 1) * draft_tokens * w["hidden"] * (BF16 + 2 * FP32)
+            )
+            if layout.draft_ep > 1
+            else 0,
+            # Under draft EP the MoE blocks are not checkpointed (recipes/parallel.checkpoint_draft), so every
+            # draft layer keeps them (formula, routing balanced): bf16 input, each pair's activations sent and
+            # received, gate-up, activation and output, the shared experts'; fp32 expert and returned outputs,
+            # the combine and the router scores.
+            "draft MoE activations kept (draft EP: MoE not checkpointed)": draft_tokens
+            * w["draft_layers"]
+            * (
+                BF16
+                * (
+                    w["hidden"]
+                    + w["draft_topk"] * (4 * w["hidden"] + 3 * w["moe_inter"])
+                    + w["shared_experts"] * 3 * w["moe_inter"]
+                )
+                + FP32 * (w["draft_topk"] * 2 * w["hidden"] + w["hidden"] + w["draft_experts"])
             )
             if layout.draft_ep > 1
             else 0,

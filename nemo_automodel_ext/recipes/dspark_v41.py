@@ -44,7 +44,6 @@ from nemo_automodel.components.speculative.dspark.target_utils import (
 )
 from nemo_automodel.components.training.rng import StatefulRNG
 from nemo_automodel.recipes.llm._spec_train_utils import (
-    apply_draft_activation_checkpointing,
     make_warmup_cosine_schedule,
     optim_steps_per_epoch,
 )
@@ -65,7 +64,7 @@ from nemo_automodel_ext.quiet import quiet_sglang_warning
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
 from nemo_automodel_ext.recipes.builders import check_layout_memory, frozen_target_setup
 from nemo_automodel_ext.recipes.loop_hooks import PackedDSparkLoopHooks
-from nemo_automodel_ext.recipes.parallel import draft_mesh, expert_mesh, parallelize_draft
+from nemo_automodel_ext.recipes.parallel import checkpoint_draft, draft_mesh, expert_mesh, parallelize_draft
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
@@ -201,9 +200,12 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         self.draft_model.initialize_embeddings_and_head(
             embed_tokens=embed_tokens, lm_head=lm_head, freeze=bool(args["freeze_embeddings"])
         )
-        # Upstream's setup wraps the draft's layers; the frozen target has no backward to save memory in.
-        apply_draft_activation_checkpointing(
-            self.draft_model, section_get(distributed, "activation_checkpointing", False) or False
+        # Upstream's setup wraps the draft's layers (not their MoE blocks under draft EP: parallel.checkpoint_draft);
+        # the frozen target has no backward to save memory in.
+        checkpoint_draft(
+            self.draft_model,
+            section_get(distributed, "activation_checkpointing", False) or False,
+            int(args["draft_ep_size"]),
         )
         trainer_module = PackedDSparkTrainerModule(
             self.draft_model,

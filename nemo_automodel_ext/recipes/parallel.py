@@ -79,6 +79,40 @@ def parallelize_draft(
     return fully_shard(trainer_module, mesh=mesh, mp_policy=policy)
 
 
+def checkpoint_draft(draft: torch.nn.Module, mode: bool | str, draft_ep_size: int) -> None:
+    """Upstream's draft activation checkpointing, in place; under draft EP without the MoE blocks.
+
+    With the routed experts on an EP mesh they are their own FSDP2 unit, and inside upstream's
+    checkpointed ``ffn`` their gradients come out wrong (on gloo, about 1 / EP of the right value,
+    with upstream's all-gather dispatcher and the all-to-all one alike; nemo_automodel 0.7.0 with
+    torch 2.13, not root-caused), so with ``draft_ep_size`` > 1 each layer's ``ffn`` is unwrapped
+    again: attention and the rest stay checkpointed and the MoE keeps its activations
+    (``planning/memory_model.py`` counts them). Tested: ``tests/recipes/gloo_draft_ep.py``.
+
+    Args:
+        draft: The packed draft (``layers`` with ``ffn`` each), before it is parallelised.
+        mode: ``distributed.activation_checkpointing`` (upstream's values).
+        draft_ep_size: ``recipe_args.draft_ep_size``.
+
+    Raises:
+        ValueError: when ``mode`` checkpoints whole layers (selective) under draft EP.
+    """
+    from nemo_automodel.recipes.llm._spec_train_utils import apply_draft_activation_checkpointing
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    apply_draft_activation_checkpointing(draft, mode)
+    if draft_ep_size == 1:
+        return
+    for layer in draft.layers:
+        if isinstance(layer.ffn, CheckpointWrapper):
+            layer.ffn = layer.ffn._checkpoint_wrapped_module
+        if isinstance(layer, CheckpointWrapper) or any(isinstance(m, CheckpointWrapper) for m in layer.ffn.modules()):
+            raise ValueError(
+                f"distributed.activation_checkpointing={mode!r} checkpoints the draft's MoE blocks, whose expert "
+                "gradients are wrong under recipe_args.draft_ep_size > 1 (docs/recipes.md); use true"
+            )
+
+
 def expert_mesh(device_type: str, world_size: int, ep_size: int) -> DeviceMesh:
     """The draft's expert mesh: ("ep_shard", "ep") of shape (world_size / ep_size, ep_size).
 
@@ -126,4 +160,4 @@ def draft_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
     return device_mesh["dp", "cp"]._flatten("dp_cp")
 
 
-__all__ = ["draft_mesh", "expert_mesh", "parallelize_draft"]
+__all__ = ["checkpoint_draft", "draft_mesh", "expert_mesh", "parallelize_draft"]

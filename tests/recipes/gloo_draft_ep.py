@@ -2,8 +2,9 @@
 
 Every rank builds the same tiny target and draft. The reference is the draft alone: the mean
 loss of the micro-batches of every dp group, one backward, upstream's clip. Then, for each
-layout (EP 1, EP 2, EP 4 over four dp ranks; EP 2 over dp 2 x CP 2; the all-to-all dispatcher,
-and upstream's all-gather one for EP 4 and EP 2 x CP 2), the recipe's ``parallelize_draft``
+layout (EP 1, EP 2, EP 4 over four dp ranks; EP 2 over dp 2 x CP 2; the all-to-all dispatcher, and
+upstream's all-gather one for EP 4 and EP 2 x CP 2; some with the recipe's activation checkpointing,
+``checkpoint_draft``, whose MoE blocks stay unwrapped under EP), the recipe's ``parallelize_draft``
 (FSDP2, experts on ``expert_mesh``) trains its micro-batch (under CP its shard of it) and must give:
 
 - the reference loss (mean over ranks) and every gradient (``full_tensor``), and the same
@@ -29,20 +30,26 @@ from nemo_automodel_ext.models.deepseek_v41.cp_trainer import PackedDSparkTraine
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, released_draft_options
-from nemo_automodel_ext.recipes.parallel import draft_mesh, expert_mesh, parallelize_draft
+from nemo_automodel_ext.recipes.parallel import checkpoint_draft, draft_mesh, expert_mesh, parallelize_draft
 
 SEQ_LENS = torch.tensor([[5, 0, 17, 18, 0], [9, 3, 28, -1000, 0]])
 SEQUENCE = 40
 ANCHORS = 64
-# (draft EP, CP, dispatcher) over four ranks
+# (draft EP, CP, dispatcher, activation checkpointing as the recipe applies it) over four ranks
 LAYOUTS = (
-    (1, 1, "all_to_all"),
-    (2, 1, "all_to_all"),
-    (4, 1, "all_to_all"),
-    (2, 2, "all_to_all"),
-    (4, 1, "all_gather"),
-    (2, 2, "all_gather"),
+    (1, 1, "all_to_all", True),
+    (2, 1, "all_to_all", True),
+    (4, 1, "all_to_all", False),
+    (2, 2, "all_to_all", False),
+    (4, 1, "all_to_all", True),
+    (4, 1, "all_gather", False),
+    (2, 2, "all_gather", True),
 )
+
+
+def unwrapped(name: str) -> str:
+    """A parameter name without the activation-checkpoint wrapper's module level."""
+    return name.replace("._checkpoint_wrapped_module", "")
 
 
 def main() -> None:
@@ -60,7 +67,7 @@ def main() -> None:
     experts, block = draft.config.dspark_n_routed_experts, text.dspark_block_size
     released_keys = sorted(draft.state_dict_adapter.to_hf(draft.state_dict()))
 
-    for ep, cp, dispatcher in LAYOUTS:
+    for ep, cp, dispatcher, checkpointed in LAYOUTS:
         dp = world // cp
         # The dp groups' micro-batches as rows of one batch: upstream's loss normalises by the
         # world-wide denominator, so the reference is one step on all of them (every anchor drawn).
@@ -78,8 +85,10 @@ def main() -> None:
         expected_norm = scale_grads_and_clip_grad_norm(1.0, [reference])
 
         device_mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if cp > 1 else None
+        module = PackedDSparkTrainerModule(copy.deepcopy(draft), loss_decay_gamma=2.0)
+        checkpoint_draft(module.draft_model, checkpointed, ep)
         native = parallelize_draft(
-            PackedDSparkTrainerModule(copy.deepcopy(draft), loss_decay_gamma=2.0),
+            module,
             "fsdp2",
             world,
             torch.device("cpu"),
@@ -111,14 +120,14 @@ def main() -> None:
         ).loss
         loss.backward()
         norm = scale_grads_and_clip_grad_norm(1.0, [native])
-        label = f"EP {ep} x CP {cp} ({dispatcher})"
+        label = f"EP {ep} x CP {cp} ({dispatcher}{', checkpointed' if checkpointed else ''})"
 
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         torch.testing.assert_close(mean_loss / world, expected_loss.detach(), atol=1e-6, rtol=1e-5, msg=label)
-        ours = dict(native.named_parameters())
+        ours = {unwrapped(name): param for name, param in native.named_parameters()}
         assert sorted(ours) == sorted(dict(reference.named_parameters())), label
-        assert sorted(native.state_dict()) == sorted(reference.state_dict()), label
+        assert sorted(map(unwrapped, native.state_dict())) == sorted(reference.state_dict()), label
         compared = 0
         for name, theirs in reference.named_parameters():
             grad = ours[name].grad

@@ -15,3 +15,30 @@ def test_draft_experts_on_ep_give_ep1_loss_gradients_and_keys():
     from conftest import run_gloo
 
     run_gloo(WORKER, world_size=4)
+
+
+def test_checkpoint_draft_leaves_the_moe_blocks_unwrapped_under_draft_ep():
+    """Upstream's activation checkpointing as is without draft EP; under it each layer's ffn (its MoE) is unwrapped,
+    attention stays checkpointed, and a mode that checkpoints the MoE anyway is refused by name."""
+    import pytest
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
+    from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, released_draft_options
+    from nemo_automodel_ext.recipes.parallel import checkpoint_draft
+
+    text = build_tiny_target(seed=0).config.text_config
+
+    def draft():
+        return DeepseekV41PackedDSparkModel.from_options(
+            released_draft_options(text, num_anchors=8), anchors_per_document=8
+        )
+
+    alone, spread = draft(), draft()
+    checkpoint_draft(alone, True, 1)
+    checkpoint_draft(spread, True, 2)
+    assert all(isinstance(layer.ffn, CheckpointWrapper) for layer in alone.layers)
+    assert not any(isinstance(m, CheckpointWrapper) for layer in spread.layers for m in layer.ffn.modules())
+    assert all(isinstance(layer.attn, CheckpointWrapper) for layer in spread.layers)
+    with pytest.raises(ValueError, match="activation_checkpointing='selective' checkpoints the draft's MoE blocks"):
+        checkpoint_draft(draft(), "selective", 2)
