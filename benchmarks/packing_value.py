@@ -5,14 +5,14 @@ Run: ``make compare`` (``.venv/bin/python benchmarks/packing_value.py [--mix dem
 For each data mix, the same target, data, draft config, optimizer, schedule shape and seed, trained
 with the tiny recipe (``recipes/deepseek_v41/dspark_tiny_cpu.yaml``) for the same wall-clock budget:
 
-- **packed**: the shipped recipe (its optimizer and learning rate), conversations packed into rows of
-  ``row`` tokens, for the mix's packed epochs (the demo: 10); its training seconds are the budget;
+- **packed**: the shipped recipe, conversations packed into rows of ``row`` tokens, for the mix's packed
+  epochs (the demo: 10); its training seconds at the recipe's learning rate are the budget;
 - **unpacked**: ``packed_sequence_size: 0``, each conversation its own row padded to the longest
   conversation of the mix (upstream's unpacked data path, the most favourable padding), the same rows a
   micro-batch and the same anchors a document (48: every answer token), for the whole number of epochs
   that fits the budget (its seconds a step measured first on 40 steps), its schedule planned for them;
-  trained at the recipe's learning rate and at ``UNPACKED_LRS``'s others, and the one with the best final
-  greedy tau is the one compared (an unpacked step carries fewer documents, so it may want a smaller one);
+- each run is trained at the recipe's learning rate and at ``LRS``'s others (the same optimizer otherwise),
+  and each run's best final greedy tau is the one compared (the others are listed and drawn);
 - **upstream's own V4.1 DSpark recipe** is not run: ``train_dspark`` builds a V4.1 target only through
   ``DeepseekV41DSparkTargetConfig.build``, which refuses anything but CUDA.
 
@@ -46,8 +46,9 @@ OUT = REPO / "outputs" / "compare"
 ASSETS = REPO / "outputs" / "tiny_assets"
 PICTURE = REPO / "docs" / "images" / "packed_vs_unpacked.png"
 SEEDS = (0, 1, 2)
-# Learning rates the unpacked run also tries beside the recipe's (None): the demo's before packed rows raised it.
-UNPACKED_LRS = (None, 5.0e-3)
+# Learning rates each run tries, the recipe's (None) and the demo's before packed rows raised it; each run's best
+# final greedy tau is the one compared (a packed step carries about five times the documents of an unpacked one).
+LRS = (None, 5.0e-3)
 # Per mix: packed row width and rows a micro-batch (both runs take the same rows a micro-batch).
 MIXES = {"demo": {"row": 128, "rows": 8, "epochs": 10}, "skewed": {"row": 512, "rows": 2, "epochs": 8}}
 
@@ -87,7 +88,7 @@ def train(
     """One training run of the tiny recipe (about ``steps`` optimizer steps, at ``lr`` or the recipe's); returns its
     output folder."""
     output = OUT / mix / run
-    packed = run == "packed"
+    packed = run.startswith("packed")
     train_path, val_path = data
     if output.exists():
         shutil.rmtree(output)  # a new run, not a resumed one
@@ -122,6 +123,17 @@ def seconds_a_step(mix: str, data: tuple[Path, Path], width: int, rows: int) -> 
     records = [r for r in curve_records(train(mix, "probe", (probe, data[1]), width, rows, 1, 1, 40)) if "train_s" in r]
     first, last = records[1], records[-1]  # from the end of the first step: startup excluded
     return (last["train_s"] - first["train_s"]) / (last["step"] - first["step"])
+
+
+def best_of(mix: str, run: str, data, width: int, rows: int, epochs: int, evals: int, steps: int) -> dict[str, dict]:
+    """``run`` trained at each of ``LRS``; the best final greedy tau is ``run``, the others ``"{run}, lr X"``."""
+    tried = []
+    for lr in LRS:
+        output = train(mix, run if lr is None else f"{run}_lr{lr:g}", data, width, rows, epochs, evals, steps, lr)
+        tried.append({"width": width, "epochs": epochs, **curve(output), "sampled": sampled_tau(output)})
+        tried[-1].update(lr=recipe_lr(output), recipe_lr=lr is None)
+    tried.sort(key=lambda each: each["points"][-1][2], reverse=True)
+    return {run: tried[0], **{f"{run}, lr {each['lr']:g}": each for each in tried[1:]}}
 
 
 def recipe_lr(output: Path) -> float:
@@ -259,7 +271,9 @@ def draw(results: dict) -> Path:
     for axis, (mix, runs) in zip(axes[0], results.items()):
         for name, run in runs.items():
             seconds, _, taus = zip(*run["points"])
-            axis.plot(seconds, taus, marker="o", label=f"{name} (rows of {run['width']})")
+            kind, compared = name.split(",")[0], "," not in name  # each kind's best learning rate is compared
+            label = f"{kind}, lr {run['lr']:g}, rows of {run['width']}" + (" (compared)" if compared else "")
+            axis.plot(seconds, taus, marker="o" if compared else ".", linestyle="-" if compared else ":", label=label)
         axis.set_title(f"{mix} mix: {MIXES[mix]['rows']} rows a micro-batch")
         axis.set_xlabel("training seconds (2 CPU cores; evaluations excluded)")
         axis.set_ylabel("greedy tau on held-out prompts (exact)")
@@ -288,23 +302,14 @@ def main() -> None:
         rows, width, runs = MIXES[mix]["rows"], MIXES[mix]["row"], {}
         epochs = options.epochs or MIXES[mix]["epochs"]
         steps = epochs * math.ceil(sum(counted) / width / rows)
-        output = train(mix, "packed", data, width, rows, epochs, options.evals, steps)
-        runs["packed"] = {"width": width, "epochs": epochs, **curve(output), "sampled": sampled_tau(output)}
-        runs["packed"]["lr"] = recipe_lr(output)
-        # The same budget: the whole unpacked epochs that fit the packed run's training seconds.
-        budget, per_epoch = runs["packed"]["train_s"], math.ceil(len(counted) / rows)
+        runs.update(best_of(mix, "packed", data, width, rows, epochs, options.evals, steps))
+        # The same budget: the whole unpacked epochs that fit the packed run's training seconds (at the recipe's lr).
+        budget = next(run["train_s"] for run in runs.values() if run["recipe_lr"])
+        per_epoch = math.ceil(len(counted) / rows)
         step_s = seconds_a_step(mix, data, padded, rows)
         epochs = max(1, round(budget / (step_s * per_epoch)))
         print(f"[{mix}] budget {budget:.0f} s; unpacked {step_s * 1000:.0f} ms a step: {epochs} epochs", flush=True)
-        tried = []
-        for lr in UNPACKED_LRS:
-            name = "unpacked" if lr is None else f"unpacked_lr{lr:g}"
-            output = train(mix, name, data, padded, rows, epochs, options.evals, epochs * per_epoch, lr)
-            tried.append({"width": padded, "epochs": epochs, **curve(output), "sampled": sampled_tau(output)})
-            tried[-1]["lr"] = recipe_lr(output)
-        tried.sort(key=lambda run: run["points"][-1][2], reverse=True)  # the best final greedy tau is compared
-        runs["unpacked"] = tried[0]
-        runs.update({f"unpacked, lr {run['lr']:g}": run for run in tried[1:]})
+        runs.update(best_of(mix, "unpacked", data, padded, rows, epochs, options.evals, epochs * per_epoch))
         results[mix] = runs
         goals[mix] = report(mix, runs)
     print(f"\npicture: {draw(results)}")
