@@ -317,7 +317,6 @@ def speculative_verify(
     return accepted, extra
 
 
-@torch.no_grad()
 def sampling_width(row_width: int, max_new_tokens: int) -> int:
     """Row width sampling verification packs its sequences into: the run's row, or room for two generations.
 
@@ -328,6 +327,7 @@ def sampling_width(row_width: int, max_new_tokens: int) -> int:
     return max(row_width, 2 * max_new_tokens)
 
 
+@torch.no_grad()
 def sampled_decode(
     target,
     draft,

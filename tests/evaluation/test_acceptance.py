@@ -132,6 +132,24 @@ def test_sampled_decode_matches_the_naive_loop_in_distribution(demo_pair):
     assert m1 > 1.1  # the briefly trained draft is accepted at T = 1 too
 
 
+def test_sampled_decode_builds_no_autograd_graph(demo_pair):
+    """Sampling verification runs the target and the draft with gradients off (``torch.no_grad``), whatever the
+    caller's mode."""
+    wrapper, draft, _, tokenizer = demo_pair
+    modes = {"target": [], "draft": []}
+    handles = [
+        module.register_forward_pre_hook(lambda _, args, name=name: modes[name].append(torch.is_grad_enabled()))
+        for name, module in (("target", wrapper.model), ("draft", draft.layers[0]))
+    ]
+    try:
+        prompts = [sequence.prompt for sequence in demo_sequences(2, seed=3)]
+        sampled_decode(wrapper, draft, prompts, 1.0, 0, 4, tokenizer.eos_token_id, width=128)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert all(modes.values()) and not any(mode for seen in modes.values() for mode in seen), modes
+
+
 def test_verification_commits_the_target_distribution():
     """Whatever the draft proposes, the first committed token is distributed as the target's p_0."""
     generator = torch.Generator().manual_seed(0)
