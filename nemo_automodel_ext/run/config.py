@@ -11,6 +11,8 @@ import importlib.util
 import math
 from typing import Any
 
+from nemo_automodel_ext.models.deepseek_v41.expert_dispatch import DISPATCHERS
+
 #: Every recipe_args key this recipe reads, with its default (None: required or optional).
 RECIPE_ARGS: dict[str, Any] = {
     "target_model_name_or_path": None,
@@ -91,8 +93,7 @@ CHOICES = {
     "target_experts": ("torch", "torch_mm", "te", "gmm", "torch_mm_mxfp8"),
     "target_attn_backend": ("eager", "sdpa", "tilelang", "te", "flex", "torch"),
     "draft_attn_backend": ("eager", "sdpa", "flex", "te", "torch"),
-    # models/deepseek_v41/expert_dispatch.py (all_to_all) or upstream's GroupedExperts EP (all_gather).
-    "draft_ep_dispatcher": ("all_to_all", "all_gather"),
+    "draft_ep_dispatcher": DISPATCHERS,
 }
 #: Seeds feed numpy (StatefulRNG seeds it with shuffle_seed + dp rank), which takes 32-bit seeds.
 MAX_SEED = 2**32 - 1

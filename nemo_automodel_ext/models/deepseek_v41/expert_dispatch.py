@@ -29,6 +29,7 @@ from nemo_automodel.components.moe.experts import GroupedExperts
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 
+#: ``recipe_args.draft_ep_dispatcher`` values: this module's all-to-all, or upstream's ``GroupedExperts`` EP.
 DISPATCHERS = ("all_to_all", "all_gather")
 
 
