@@ -110,8 +110,8 @@ class AllToAllGroupedExperts(GroupedExperts):
         projections = (
             _local(self.gate_and_up_projs, dtype),
             _local(self.down_projs, dtype),
-            _local(self.gate_up_proj_bias, dtype) if self.expert_bias else None,
-            _local(self.down_proj_bias, dtype) if self.expert_bias else None,
+            _local(self.gate_up_proj_bias, dtype),  # None without expert_bias
+            _local(self.down_proj_bias, dtype),
         )
         inputs, ids, mask = received, expert_ids, torch.ones(pairs, dtype=torch.bool, device=received.device)
         if pairs == 0:  # one masked zero row: upstream's empty-expert path keeps every parameter in the graph
