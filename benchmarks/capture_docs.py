@@ -127,7 +127,7 @@ def main() -> None:
     print("-" * len(header))
     for name in args.configs:
         config = tiny_target_config(**(MID if name == "mid" else {}))
-        upstream = build_tiny_target(config=config)
+        upstream = build_tiny_target(config=config, packed_indexer=False)
         plugin = copy.deepcopy(upstream)
         install_packed_indexer(plugin)
         for row in args.rows:

@@ -92,7 +92,8 @@ def train_demo_target(
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = build_tokenizer()
-    model = build_tiny_target(seed=seed, config=demo_target_config()).train()
+    # Upstream's indexer, as the shipped weights were trained (the packed one selects the same on tie-free scores).
+    model = build_tiny_target(seed=seed, config=demo_target_config(), packed_indexer=False).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
+from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 from nemo_automodel_ext.models.deepseek_v41.packing import PackedSequenceLayout, plan_packed_layout, round_up
 
 _TOKEN_DTYPES = (torch.int32, torch.int64)
@@ -196,8 +197,14 @@ def dspark_packed_forward(model: nn.Module, input_ids: torch.Tensor, seq_lens: t
     HybridEP dispatcher every rank pads to the longest aligned row of all ranks. DSpark
     reads hooked activations, so only the last position's logits are projected.
 
+    The model's indexers are switched to the plugin's ``PackedIndexer`` before the forward
+    (``install_packed_indexer``: idempotent, in place, the same selection as upstream's on
+    tie-free scores): banded scores and one vectorised selection per layer, so the host reads
+    and kernels of a capture do not grow with the documents in a row, as upstream's
+    per-document selection loop does. A model that already has them is left as it is.
+
     Args:
-        model: `DeepseekV41ForCausalLM` target.
+        model: `DeepseekV41ForCausalLM` target; its indexers become ``PackedIndexer`` (in place).
         input_ids: Token IDs of shape [batch, sequence] holding packed documents.
         seq_lens: Document lengths of shape [batch, documents]; each row sums to
             `sequence` and zero entries pad the document axis.
@@ -212,6 +219,7 @@ def dspark_packed_forward(model: nn.Module, input_ids: torch.Tensor, seq_lens: t
             ``seq_lens`` that do not sum to ``sequence``, or image tokens.
     """
     target = require_v41_target(model)
+    install_packed_indexer(target)
     layout, inputs = prepare_packed_inputs(target, input_ids, seq_lens)
     with torch.no_grad():
         target(**inputs, logits_to_keep=1)

@@ -15,6 +15,8 @@ from nemo_automodel.components.models.common import BackendConfig
 from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config, DeepseekV41DSparkConfig
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
+from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
+
 TINY_TARGET_CONFIG = "configs/tiny_target.json"
 
 
@@ -38,7 +40,10 @@ def tiny_target_config(**text_overrides: Any) -> DeepseekV41Config:
 
 
 def build_tiny_target(
-    seed: int = 0, config: DeepseekV41Config | None = None, backend: BackendConfig | None = None
+    seed: int = 0,
+    config: DeepseekV41Config | None = None,
+    backend: BackendConfig | None = None,
+    packed_indexer: bool = True,
 ) -> DeepseekV41ForCausalLM:
     """Build and randomly initialise the tiny fp32 target in eval mode.
 
@@ -46,6 +51,8 @@ def build_tiny_target(
         seed: Seed for the weight initialisation; equal seeds give equal weights on every rank.
         config: Config to build (defaults to ``tiny_target_config()``).
         backend: Backend (defaults to ``cpu_backend()``).
+        packed_indexer: Switch its indexers to the plugin's ``PackedIndexer``, as every plugin
+            builder does; False keeps upstream's ``_Indexer`` (the benchmarks' reference).
 
     Returns:
         A new ``DeepseekV41ForCausalLM`` on CPU.
@@ -58,6 +65,8 @@ def build_tiny_target(
         model.initialize_weights(dtype=torch.float32)
     finally:
         torch.random.set_rng_state(state)
+    if packed_indexer:
+        install_packed_indexer(model)
     return model.eval()
 
 

@@ -250,3 +250,66 @@ def test_two_ranks_hybridep_forward_features(gloo):
 
 def test_two_ranks_cp_features_and_loss_match_single_rank(gloo):
     gloo(Path(__file__).with_name("gloo_cp.py"))
+
+
+def _host_reads(model, tokens, seq_lens) -> int:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from host_syncs import count_host_syncs
+
+    with count_host_syncs() as sites:
+        dspark_packed_forward(model, tokens, seq_lens)
+    return sum(sites.values())
+
+
+def test_seed_function_takes_the_packed_indexer_on_a_plain_target(monkeypatch):
+    """``dspark_packed_forward`` on upstream's own ``DeepseekV41ForCausalLM`` (the seed's contract): the plugin's
+    indexer is installed inside the call, so a 2,048-token row's host reads do not grow from 2 to 128 documents
+    (upstream's per-document selection: 25 and 529), and the features equal upstream's forward where no
+    top-k tie exists: the indexer's mxfp4 quantisation replaced by ``abs`` in both, so every query-key product is
+    positive and no score is a ReLU zero (with upstream's quantisation, zero scores tie and the two keep
+    different tied keys: docs/evaluation.md)."""
+    from nemo_automodel.components.models.deepseek_v41 import attention as upstream_attention
+
+    from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
+    from nemo_automodel_ext.models.deepseek_v41.packed_indexer import PackedIndexer
+
+    plain = build_tiny_target(seed=0, packed_indexer=False)
+    assert not any(isinstance(module, PackedIndexer) for module in plain.modules())
+    row = 2048
+    tokens = torch.randint(4, 500, (1, row), generator=torch.Generator().manual_seed(3))
+    reads = {}
+    for documents in (2, 128):
+        lengths = torch.full((1, documents), row // documents)
+        reads[documents] = _host_reads(plain, tokens, lengths)
+    assert any(isinstance(module, PackedIndexer) for module in plain.modules())
+    assert reads[2] == reads[128], reads
+    reference = build_tiny_target(seed=0, packed_indexer=False)  # stays upstream's: called directly below
+    quantize = upstream_attention.quantize_cache
+
+    def tie_free(values, *, format, block_size):
+        return values.abs() if format == "mxfp4" else quantize(values, format=format, block_size=block_size)
+
+    monkeypatch.setattr(upstream_attention, "quantize_cache", tie_free)
+    seq_lens = torch.tensor([[700, 300, 1048]])
+
+    def features(model, run):
+        captured = []
+        handle = model.model.norm.register_forward_hook(lambda _m, _i, output: captured.append(output))
+        try:
+            layout = run()
+        finally:
+            handle.remove()
+        return layout.restore(captured[0])
+
+    def upstream_forward():
+        layout, inputs = prepare_packed_inputs(reference, tokens, seq_lens)
+        with torch.no_grad():
+            reference(**inputs, logits_to_keep=1)
+        return layout
+
+    ours = features(plain, lambda: dspark_packed_forward(plain, tokens, seq_lens))
+    theirs = features(reference, upstream_forward)
+    assert not any(isinstance(module, PackedIndexer) for module in reference.modules())
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
