@@ -78,6 +78,7 @@ from nemo_automodel_ext.run.loading import (
     require_target_path,
     require_v41_checkpoint,
 )
+from nemo_automodel_ext.run.paths import require_run_folders
 from nemo_automodel_ext.run.run_record import save_run_pointer
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         self.device = self.dist_env.device or torch.device("cpu")
         world_size = self.dist_env.world_size
         args = validate_recipe_config(self.cfg, world_size, self.device.type)
+        require_run_folders(self.cfg, args)  # before the target loads: a bad folder would surface at the first save
         self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.cached_target_path = None
         self.packed_sequence_size = int(args["packed_sequence_size"] or 0)

@@ -95,6 +95,8 @@ CHOICES = {
     "draft_attn_backend": ("eager", "sdpa", "flex", "te", "torch"),
     "draft_ep_dispatcher": DISPATCHERS,
 }
+#: The largest finite float32: float settings beyond it overflow the optimizer's float32 state.
+FLOAT32_MAX = 3.4028234663852886e38
 #: Seeds feed numpy (StatefulRNG seeds it with shuffle_seed + dp rank), which takes 32-bit seeds.
 MAX_SEED = 2**32 - 1
 
@@ -139,6 +141,7 @@ def validate_recipe_config(
         if args[key] is None:
             raise ValueError(f"recipe_args.{key} is required")
     _validate_numbers(args)
+    validate_optimizer(cfg.get("optimizer", None))
     if args["target_builder"] not in TARGET_BUILDERS:
         raise ValueError(f"recipe_args.target_builder must be one of {TARGET_BUILDERS}, got {args['target_builder']!r}")
     if args["target_builder"] == "automodel" and device_type != "cuda":
@@ -195,16 +198,58 @@ def validate_recipe_config(
             "the last checkpoint's draft itself (python -m nemo_automodel_ext.export RUN for any other)"
         )
     draft_ep = int(args["draft_ep_size"])
-    if draft_ep > 1 and (strategy != "fsdp2" or (world_size is not None and world_size % draft_ep)):
+    if draft_ep > 1 and world_size is not None and world_size % draft_ep:
+        raise ValueError(
+            f"recipe_args.draft_ep_size={draft_ep} places the draft's experts on groups of that many ranks: it must "
+            f"divide the number of ranks ({world_size})" + ("; set it to 1 on one rank" if world_size == 1 else "")
+        )
+    if draft_ep > 1 and strategy != "fsdp2":
         raise ValueError(
             f"recipe_args.draft_ep_size={draft_ep} places the draft's experts on groups of that many ranks: it needs "
-            f"distributed.strategy: fsdp2 (got {strategy}) and must divide the number of ranks ({world_size})"
+            f"distributed.strategy: fsdp2 (got {strategy})"
         )
     defer = section_get(distributed, "defer_fsdp_grad_sync", False)
     if not isinstance(defer, bool):
         raise ValueError(f"distributed.defer_fsdp_grad_sync must be true or false, got {defer!r}")
     args["defer_fsdp_grad_sync"] = defer
     return args
+
+
+def _float_rule(value: Any) -> str | None:
+    """Why ``value`` cannot be a float setting of the run (None when it can): not a number, not finite, or
+    beyond float32's range (the optimizer's state and the scheduled learning rate are float32 tensors)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "must be a number"
+    if not math.isfinite(value):
+        return "must be finite"
+    if abs(value) > FLOAT32_MAX:
+        return f"is beyond float32's range (|x| <= {FLOAT32_MAX:.4g})"
+    return None
+
+
+def validate_optimizer(section: Any) -> None:
+    """Refuse an ``optimizer`` section whose numbers cannot train: every number (and every entry of a
+    list such as ``betas``) finite and within float32's range, ``lr`` above 0.
+
+    Raises:
+        ValueError: naming the key, its value and the rule.
+    """
+    if section is None:
+        return
+    raw = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+    if "lr" in raw and (rule := _float_rule(raw["lr"])) is not None:
+        raise ValueError(f"optimizer.lr {rule}, got {raw['lr']!r}")
+    for key, value in raw.items():
+        if key.startswith("_") or isinstance(value, (str, bool, type(None), dict)):
+            continue  # the class path and switches (foreach, fused, amsgrad)
+        items = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+        for index, item in items:
+            rule = _float_rule(item)
+            if rule is not None:
+                name = f"optimizer.{key}" + (f"[{index}]" if index is not None else "")
+                raise ValueError(f"{name} {rule}, got {item!r}")
+    if "lr" in raw and not raw["lr"] > 0:
+        raise ValueError(f"optimizer.lr must be above 0, got {raw['lr']!r}")
 
 
 def require_target_reshard(value: Any) -> None:
@@ -229,8 +274,8 @@ def _validate_numbers(args: dict[str, Any]) -> None:
         value = args[key]
         if value is None and key in ("max_grad_norm", "loss_decay_gamma"):
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"recipe_args.{key} must be a finite number >= 0, got {value!r}")
+        if _float_rule(value) is not None or value < 0:
+            raise ValueError(f"recipe_args.{key} must be a finite number >= 0 within float32's range, got {value!r}")
     if args["max_grad_norm"] == 0:
         raise ValueError(
             "recipe_args.max_grad_norm=0 clips every gradient to zero, so nothing would train; set a positive norm, "
@@ -266,4 +311,11 @@ def _validate_numbers(args: dict[str, Any]) -> None:
             raise ValueError(f"recipe_args.target_layer_ids must be strictly increasing layer ids >= 0, got {layers}")
 
 
-__all__ = ["RECIPE_ARGS", "TARGET_BUILDERS", "require_target_reshard", "section_get", "validate_recipe_config"]
+__all__ = [
+    "RECIPE_ARGS",
+    "TARGET_BUILDERS",
+    "require_target_reshard",
+    "section_get",
+    "validate_optimizer",
+    "validate_recipe_config",
+]

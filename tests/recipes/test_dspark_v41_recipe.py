@@ -139,6 +139,14 @@ def _tiny_cfg():
         ("recipe_args.draft_ep_size", 0, 2, "cpu", "draft_ep_size must be an integer >= 1"),
         ("recipe_args.draft_ep_size", 2, 2, "cpu", "needs distributed.strategy: fsdp2 \\(got ddp\\)"),
         ("recipe_args.draft_ep_size", 4, 2, "cpu", "must divide the number of ranks \\(2\\)"),
+        ("recipe_args.draft_ep_size", 2, 1, "cpu", "must divide the number of ranks \\(1\\); set it to 1"),
+        ("optimizer.lr", 1e39, 1, "cpu", "optimizer.lr is beyond float32's range"),
+        ("optimizer.lr", float("inf"), 1, "cpu", "optimizer.lr must be finite"),
+        ("optimizer.lr", 0.0, 1, "cpu", "optimizer.lr must be above 0"),
+        ("optimizer.lr", "fast", 1, "cpu", "optimizer.lr must be a number"),
+        ("optimizer.betas", [0.9, float("nan")], 1, "cpu", "optimizer.betas\\[1\\] must be finite"),
+        ("optimizer.weight_decay", -1e40, 1, "cpu", "optimizer.weight_decay is beyond float32's range"),
+        ("recipe_args.ce_loss_alpha", 1e39, 1, "cpu", "ce_loss_alpha must be a finite number >= 0 within float32"),
         ("recipe_args.draft_ep_dispatcher", "alltoall", 2, "cpu", "draft_ep_dispatcher must be one of"),
     ],
 )
@@ -606,3 +614,18 @@ def test_a_target_path_that_names_nothing_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         require_target_path(str(tmp_path / "empty"), "local")
     require_target_path("deepseek-ai/DeepSeek-V4.1-Flash", "automodel")  # a hub id: left to the loader
+
+
+@pytest.mark.parametrize("key", ["checkpoint.checkpoint_dir", "recipe_args.output_dir"])
+def test_a_folder_below_a_file_is_refused_before_the_target_loads(uninterrupted, key):
+    """D4/D5: a checkpoint folder below a regular file failed at the first save, after an epoch of training; an
+    output folder there failed with a bare NotADirectoryError. Both are refused in one line before any work."""
+    workdir, _, _ = uninterrupted
+    blocker = workdir / "a_file"
+    blocker.write_text("not a folder\n")
+    result = _launch(workdir, "below_a_file", f"--{key}={blocker / 'run'}")
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {key}={blocker / 'run'}: {blocker} is a file, not a folder"), result.stderr[-3000:]
+    assert "V4.1 target:" not in result.stdout + result.stderr  # refused before the target was built
+    assert not (workdir / "below_a_file").exists()
