@@ -25,10 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from nemo_automodel.components.checkpoint.utils import (
-    is_checkpoint_incomplete,
-    resolve_restore_from_to_checkpoint_dir,
-)
 
 from nemo_automodel_ext.evaluation.acceptance import evaluate_greedy, sampled_decode, sampling_width
 from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences, read_eval_sequences
@@ -36,14 +32,17 @@ from nemo_automodel_ext.export import read_draft
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
+from nemo_automodel_ext.quiet import quiet_sglang_warning
 from nemo_automodel_ext.run.config import validate_recipe_config
+from nemo_automodel_ext.run.draft_checkpoint import check_draft_structure, released_draft_shapes
 from nemo_automodel_ext.run.loading import (
     build_packed_draft,
     check_target_contract,
     load_local_target,
     require_target_path,
 )
-from nemo_automodel_ext.run.run_record import RUN_INFO, load_run_record, resolve_run_paths
+from nemo_automodel_ext.run.paths import require_writable_folder
+from nemo_automodel_ext.run.run_record import load_run_record, resolve_checkpoint, resolve_run_paths
 
 
 @dataclass
@@ -56,37 +55,6 @@ class EvalRun:
     layer_ids: list[int]
     block_size: int
     mask_token_id: int
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder ``path`` names: itself, or the latest complete one under a run or checkpoint dir.
-
-    Raises:
-        ValueError: when ``path`` does not exist or holds no complete checkpoint.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist; train first (make distill) or pass a checkpoint folder")
-    if (path / RUN_INFO).is_file() and not (path / "model").is_dir():
-        try:  # a run's output folder records where its checkpoints went (checkpoint.checkpoint_dir)
-            recorded = json.loads((path / RUN_INFO).read_text()).get("checkpoint_dir")
-        except ValueError:
-            recorded = None
-        if recorded and Path(recorded).is_dir() and Path(recorded).resolve() != path.resolve():
-            return resolve_checkpoint(recorded)
-    if (path / "config.yaml").is_file() and (path / "model").is_dir():
-        if is_checkpoint_incomplete(path):
-            raise ValueError(f"checkpoint {path} was left incomplete by an interrupted save; pick a complete one")
-        return path
-    for root in (path, path / "checkpoints"):
-        if root.is_dir() and any(root.glob("epoch_*_step_*")):
-            found = resolve_restore_from_to_checkpoint_dir(root, "LATEST")
-            if found is not None:
-                return Path(found)
-    raise ValueError(
-        f"no complete checkpoint under {path}: expected a checkpoint folder (config.yaml + model/) or a run "
-        "folder with checkpoints/epoch_*_step_*"
-    )
 
 
 def load_run(checkpoint: Path, device: torch.device, target_path: str | None = None) -> EvalRun:
@@ -104,6 +72,7 @@ def load_run(checkpoint: Path, device: torch.device, target_path: str | None = N
         )
     path = target_path or str(args["target_model_name_or_path"])
     require_target_path(path, "local")
+    quiet_sglang_warning()  # a local target, never served on SGLang (here or through main() alike)
     backend = cpu_backend(
         attn=args["target_attn_backend"] if args["target_builder"] == "local" else "eager",
         dispatcher=args["target_dispatcher"] if args["target_builder"] == "local" else "torch",
@@ -159,6 +128,10 @@ def load_draft_weights(draft: DeepseekV41PackedDSparkModel, checkpoint: Path, ru
     state = read_draft(checkpoint / "model")  # consolidated, else every rank's slices assembled
     adapter = getattr(draft, "state_dict_adapter", None)
     if adapter is not None and not set(state) <= set(draft.state_dict()):
+        # The released layout: its structure (layers, experts a layer) and shapes checked before upstream's
+        # adapter reads it, which refuses a missing expert with a traceback of its own.
+        shapes = {key: tuple(value.shape) for key, value in state.items()}
+        check_draft_structure(shapes, released_draft_shapes(draft), str(checkpoint))
         state = adapter.from_hf(state)
     ours = draft.state_dict()
     unknown = sorted(set(state) - set(ours))
@@ -284,6 +257,9 @@ def evaluate_checkpoints(
     latest = resolve_checkpoint(path)
     chosen = [resolve_named_checkpoint(each, latest) for each in checkpoints] if checkpoints else [latest]
     output = Path(output) if output else latest.parent / "eval.json"
+    if output.is_dir():
+        raise ValueError(f"--output {output} is a folder; pass the file to write, e.g. {output / 'eval.json'}")
+    require_writable_folder(output.parent, "--output")  # a file where a folder should be, or no write access
     if not output.parent.is_dir():
         raise ValueError(f"--output {output}: the folder {output.parent} does not exist")
     run = load_run(latest, torch.device(device), target_path)

@@ -24,7 +24,7 @@ from nemo_automodel.components.checkpoint.utils import resolve_restore_from_to_c
 from nemo_automodel.components.loggers.metric_logger import MetricsSample
 from nemo_automodel.recipes.llm._spec_train_utils import optim_steps_per_epoch
 
-from nemo_automodel_ext.export import export_draft
+from nemo_automodel_ext.export import export_draft, require_rank_files_on_rank0
 from nemo_automodel_ext.recipes.plots import plot_training_curves
 from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import resume_advice
@@ -107,12 +107,15 @@ class PackedDSparkLoopHooks:
             logger.info("training curves: %s", plot_training_curves(self.output_dir / "metrics.jsonl"))
 
     def _export_last_checkpoint(self) -> None:
-        """Rank 0 writes the last checkpoint's ``model/consolidated/`` when the save left none (``export.py``)."""
+        """Rank 0 writes (or validates) the last checkpoint's ``model/consolidated/`` (``export.py``), once every
+        rank has checked that rank 0 sees every rank's draft file (node-local checkpoint folders: refused)."""
         if not self.checkpointer.config.enabled:
             return
-        if self.dist_env.is_main:
-            latest = resolve_restore_from_to_checkpoint_dir(self.checkpoint_config.checkpoint_dir, "LATEST")
-            if latest is not None:
+        latest = resolve_restore_from_to_checkpoint_dir(self.checkpoint_config.checkpoint_dir, "LATEST")
+        with report_refusal():
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                require_rank_files_on_rank0(pathlib.Path(latest) / "model" if latest is not None else None)
+            if self.dist_env.is_main and latest is not None:
                 logger.info("servable draft: %s", export_draft(pathlib.Path(latest)))
         if dist.is_initialized():
             dist.barrier()
@@ -193,7 +196,8 @@ class PackedDSparkLoopHooks:
         """Upstream's DSpark meta, the token and data-checksum counters (``progress_meta.pt``) and the
         run's effective config and launch folder (``run_record.py``)."""
         super()._save_extra_state(path, epoch)
-        save_run_record(self.cfg, path)
+        sharded = self.parallel_strategy == "fsdp2" and self.dist_env.world_size > 1
+        save_run_record(self.cfg, path, draft_shard_files=self.dist_env.world_size if sharded else None)
         torch.save({**self._counters(), "tokens_seen": self._tokens_seen}, pathlib.Path(path) / "progress_meta.pt")
 
     def _load_extra_state(self, ckpt_dir: str) -> None:

@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from nemo_automodel.components.checkpoint.utils import (
+    is_checkpoint_incomplete,
+    resolve_restore_from_to_checkpoint_dir,
+)
 from nemo_automodel.components.config.loader import load_yaml_config
 
 RUN_CONFIG = "run_config.yaml"
@@ -32,20 +36,42 @@ RUN_INFO = "run.json"
 PATH_KEYS = ("target_model_name_or_path", "tiny_assets_dir", "train_data_path", "val_data_path", "output_dir")
 
 
-def save_run_record(cfg: Any, checkpoint: str | os.PathLike) -> None:
-    """Write ``run_config.yaml`` (``cfg`` with every override) and ``run.json`` into a checkpoint folder."""
+def save_run_record(cfg: Any, checkpoint: str | os.PathLike, draft_shard_files: int | None = None) -> None:
+    """Write ``run_config.yaml`` (``cfg`` with every override) and ``run.json`` into a checkpoint folder.
+
+    Args:
+        cfg: The run's ``ConfigNode``.
+        checkpoint: The checkpoint folder.
+        draft_shard_files: How many per-rank draft files the save writes (one a rank with an FSDP2 draft),
+            which the export requires all of; None when not one a rank.
+    """
     checkpoint = Path(checkpoint)
     with open(checkpoint / RUN_CONFIG, "w") as handle:
         yaml.safe_dump(cfg.to_yaml_dict(), handle, sort_keys=False, default_flow_style=False)
-    save_run_pointer(checkpoint, None)
+    save_run_pointer(checkpoint, None, draft_shard_files=draft_shard_files)
 
 
-def save_run_pointer(output_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike | None) -> None:
-    """Write ``output_dir/run.json``: the launch folder and where the checkpoints go (absolute)."""
-    record = {"launch_dir": os.getcwd()}
+def save_run_pointer(
+    output_dir: str | os.PathLike, checkpoint_dir: str | os.PathLike | None, draft_shard_files: int | None = None
+) -> None:
+    """Write ``output_dir/run.json``: the launch folder, where the checkpoints go (absolute) and, in a
+    checkpoint, how many per-rank draft files it holds."""
+    record: dict[str, Any] = {"launch_dir": os.getcwd()}
     if checkpoint_dir is not None:
         record["checkpoint_dir"] = os.path.abspath(checkpoint_dir)
+    if draft_shard_files is not None:
+        record["draft_shard_files"] = int(draft_shard_files)
     (Path(output_dir) / RUN_INFO).write_text(json.dumps(record) + "\n")
+
+
+def recorded_draft_shard_files(checkpoint: str | os.PathLike) -> int | None:
+    """The per-rank draft file count a checkpoint's ``run.json`` records (None: not recorded)."""
+    info = Path(checkpoint) / RUN_INFO
+    try:
+        value = json.loads(info.read_text()).get("draft_shard_files") if info.is_file() else None
+    except (ValueError, AttributeError):
+        raise ValueError(f"{info}: not a run record (expected a JSON object)") from None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def load_run_record(checkpoint: str | os.PathLike):
@@ -75,6 +101,37 @@ def load_run_record(checkpoint: str | os.PathLike):
     return cfg, launch_dir, effective
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder ``path`` names: itself, or the latest complete one under a run or checkpoint dir.
+
+    Raises:
+        ValueError: when ``path`` does not exist or holds no complete checkpoint.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist; train first (make distill) or pass a checkpoint folder")
+    if (path / RUN_INFO).is_file() and not (path / "model").is_dir():
+        try:  # a run's output folder records where its checkpoints went (checkpoint.checkpoint_dir)
+            recorded = json.loads((path / RUN_INFO).read_text()).get("checkpoint_dir")
+        except ValueError:
+            recorded = None
+        if recorded and Path(recorded).is_dir() and Path(recorded).resolve() != path.resolve():
+            return resolve_checkpoint(recorded)
+    if (path / "config.yaml").is_file() and (path / "model").is_dir():
+        if is_checkpoint_incomplete(path):
+            raise ValueError(f"checkpoint {path} was left incomplete by an interrupted save; pick a complete one")
+        return path
+    for root in (path, path / "checkpoints"):
+        if root.is_dir() and any(root.glob("epoch_*_step_*")):
+            found = resolve_restore_from_to_checkpoint_dir(root, "LATEST")
+            if found is not None:
+                return Path(found)
+    raise ValueError(
+        f"no complete checkpoint under {path}: expected a checkpoint folder (config.yaml + model/) or a run "
+        "folder with checkpoints/epoch_*_step_*"
+    )
+
+
 def resolve_run_paths(args: dict[str, Any], launch_dir: Path) -> dict[str, Any]:
     """A copy of ``recipe_args`` whose relative local paths are made absolute against ``launch_dir``."""
     resolved = dict(args)
@@ -93,6 +150,8 @@ __all__ = [
     "RUN_CONFIG",
     "RUN_INFO",
     "load_run_record",
+    "recorded_draft_shard_files",
+    "resolve_checkpoint",
     "resolve_run_paths",
     "save_run_pointer",
     "save_run_record",

@@ -88,9 +88,10 @@ def test_cli_sampling_verification(run_dir, capsys, tmp_path):
         ("block", "block_size"),
         ("layers", "target_layer_ids"),
         ("empty_prompts", "holds no prompts"),
+        ("experts", "layer 0 has 2 routed experts, this config builds 4 (dspark_n_routed_experts"),
     ],
 )
-def test_bad_input_is_named(run_dir, tmp_path, capsys, change, fragment):
+def test_bad_input_is_named(run_dir, demo_pair, tmp_path, capsys, change, fragment):
     run, config, trainable, meta = run_dir
     path = tmp_path / "other"
     if change == "missing":
@@ -107,6 +108,9 @@ def test_bad_input_is_named(run_dir, tmp_path, capsys, change, fragment):
             meta["block_size"] = 8
         elif change == "layers":
             meta["target_layer_ids"] = [0, 2, 4]
+        elif change == "experts":  # D7: the released layout with half the routed experts
+            released = demo_pair[1].state_dict_adapter.to_hf(state)
+            state = {key: value for key, value in released.items() if not any(f"experts.{i}." in key for i in (2, 3))}
         elif change == "empty_prompts":
             (tmp_path / "empty.jsonl").write_text("\n")
             config["recipe_args"]["val_data_path"] = str(tmp_path / "empty.jsonl")
@@ -184,6 +188,8 @@ def test_two_checkpoints_of_the_same_name_get_two_rows(run_dir, tmp_path, capsys
         ("limit", "--limit must be at least 1"),
         ("data_dir", "is a folder"),
         ("output", "does not exist"),
+        ("output_folder", "is a folder; pass the file to write"),
+        ("output_under_file", "is a file, not a folder"),
         ("device", "no CUDA device"),
         ("bad_prompt", "every message must be an object"),
         ("checkpoint_name", "--checkpoint epoch_9_step_9: neither a folder nor a checkpoint"),
@@ -206,6 +212,8 @@ def test_evaluation_options_and_files_are_refused_in_one_line(run_dir, tmp_path,
         "limit": ["--limit", "0"],
         "data_dir": ["--data", str(tmp_path)],
         "output": ["--output", str(tmp_path / "missing" / "eval.json")],
+        "output_folder": ["--output", str(tmp_path)],
+        "output_under_file": ["--output", str(tmp_path / "bad.jsonl" / "eval.json")],
         "device": ["--device", "cuda"],
         "bad_prompt": ["--data", str(tmp_path / "bad.jsonl")],
         "checkpoint_name": ["--checkpoint", "epoch_9_step_9"],
