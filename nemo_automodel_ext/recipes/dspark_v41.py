@@ -202,13 +202,6 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         self.draft_model.initialize_embeddings_and_head(
             embed_tokens=embed_tokens, lm_head=lm_head, freeze=bool(args["freeze_embeddings"])
         )
-        # Upstream's setup wraps the draft's layers (not their MoE blocks under draft EP: parallel.checkpoint_draft);
-        # the frozen target has no backward to save memory in.
-        checkpoint_draft(
-            self.draft_model,
-            section_get(distributed, "activation_checkpointing", False) or False,
-            int(args["draft_ep_size"]),
-        )
         trainer_module = PackedDSparkTrainerModule(
             self.draft_model,
             loss_decay_gamma=args["loss_decay_gamma"],
@@ -236,6 +229,9 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
             self.compute_dtype,
             experts=self.draft_expert_mesh,
             dispatcher=str(args["draft_ep_dispatcher"]),
+            # Upstream's draft checkpointing, after expert parallelism (upstream's order; parallel.parallelize_draft);
+            # the frozen target has no backward to save memory in.
+            activation_checkpointing=section_get(distributed, "activation_checkpointing", False) or False,
         )
         self._precompute_fp8_scales = False
 

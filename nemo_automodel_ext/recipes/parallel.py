@@ -35,13 +35,19 @@ def parallelize_draft(
     compute_dtype: torch.dtype,
     experts: DeviceMesh | None = None,
     dispatcher: str = "all_to_all",
+    activation_checkpointing: bool | str = False,
 ) -> torch.nn.Module:
-    """Replicate (DDP) or shard (FSDP2, per draft layer) the trainable draft over ``mesh``.
+    """Place the draft's experts, checkpoint its activations, then replicate (DDP) or shard (FSDP2) it over ``mesh``.
+
+    The order is upstream's ``parallelize_model``'s: expert parallelism (``apply_ep``), then activation
+    checkpointing, then data parallelism. ``apply_ep`` finds each layer's MoE by its type, so a layer
+    already wrapped for checkpointing would be skipped (its experts left whole on every rank); every
+    layer's split is checked after it (``require_experts_split``).
 
     Args:
         trainer_module: Upstream's ``DSparkTrainerModule`` around the draft.
         strategy: ``ddp`` or ``fsdp2`` (validated by ``config.validate_recipe_config``).
-        world_size: Ranks of the run; one rank returns ``trainer_module`` unchanged.
+        world_size: Ranks of the run; one rank returns ``trainer_module`` (checkpointed) unchanged.
         device: The rank's device.
         mesh: One-dimensional mesh the gradients reduce over (``draft_mesh``), or None for
             every rank.
@@ -50,11 +56,24 @@ def parallelize_draft(
             parallelism (FSDP2 only), or None to shard them with their layer.
         dispatcher: With ``experts``: ``all_to_all`` (``expert_dispatch.py``) or ``all_gather``
             (upstream's ``GroupedExperts``).
+        activation_checkpointing: ``distributed.activation_checkpointing`` (upstream's values).
 
     Returns:
         The wrapped module (the same object on one rank); with ``experts``, every draft layer's
         ``ffn.experts`` holds DTensor parameters [experts, ...] sharded on dim 0 over "ep".
+
+    Raises:
+        ValueError: when expert parallelism left a layer's experts unsplit.
     """
+    draft = trainer_module.draft_model
+    policy = None
+    if world_size > 1 and strategy != "ddp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+        if experts is not None:
+            _shard_experts(draft, experts, policy, world_size, dispatcher)
+    checkpoint_draft(draft, activation_checkpointing)
     if world_size == 1:
         return trainer_module
     if strategy == "ddp":
@@ -65,52 +84,59 @@ def parallelize_draft(
             process_group=mesh.get_group() if mesh is not None else None,
         )
     from nemo_automodel.components.distributed.parallelizer_utils import fully_shard_by_dtype
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     mesh = mesh or init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    fp32_names = tuple(getattr(trainer_module.draft_model, "_keep_in_fp32_modules_strict", ()))
-    if experts is not None:
-        _shard_experts(trainer_module.draft_model, experts, policy, world_size, dispatcher)
-    for layer in trainer_module.draft_model.layers:
+    fp32_names = tuple(getattr(draft, "_keep_in_fp32_modules_strict", ()))
+    for layer in draft.layers:
         fully_shard_by_dtype(
             layer, mesh=mesh, mp_policy=policy, offload_policy=None, fp32_compute_module_names=fp32_names
         )
     return fully_shard(trainer_module, mesh=mesh, mp_policy=policy)
 
 
-def checkpoint_draft(draft: torch.nn.Module, mode: bool | str, draft_ep_size: int) -> None:
-    """Upstream's draft activation checkpointing, in place; under draft EP without the MoE blocks.
+def checkpoint_draft(draft: torch.nn.Module, mode: bool | str) -> None:
+    """Upstream's draft activation checkpointing (``apply_draft_activation_checkpointing``), in place.
 
-    With the routed experts on an EP mesh they are their own FSDP2 unit, and inside upstream's
-    checkpointed ``ffn`` their gradients come out wrong (on gloo, about 1 / EP of the right value,
-    with upstream's all-gather dispatcher and the all-to-all one alike; nemo_automodel 0.7.0 with
-    torch 2.13, not root-caused), so with ``draft_ep_size`` > 1 each layer's ``ffn`` is unwrapped
-    again: attention and the rest stay checkpointed and the MoE keeps its activations
-    (``planning/memory_model.py`` counts them). Tested: ``tests/recipes/gloo_draft_ep.py``.
+    Under draft EP it runs after ``apply_ep`` (``parallelize_draft``), so the MoE blocks are checkpointed
+    too: wrapped first, upstream's ``apply_ep`` did not recognise them and left every layer's experts
+    whole, which gave their gradients about 1 / EP of their value (docs/recipes.md).
 
     Args:
-        draft: The packed draft (``layers`` with ``ffn`` each), before it is parallelised.
+        draft: The packed draft (``layers`` with ``ffn`` each).
         mode: ``distributed.activation_checkpointing`` (upstream's values).
-        draft_ep_size: ``recipe_args.draft_ep_size``.
-
-    Raises:
-        ValueError: when ``mode`` checkpoints whole layers (selective) under draft EP.
     """
     from nemo_automodel.recipes.llm._spec_train_utils import apply_draft_activation_checkpointing
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     apply_draft_activation_checkpointing(draft, mode)
-    if draft_ep_size == 1:
-        return
-    for layer in draft.layers:
-        if isinstance(layer.ffn, CheckpointWrapper):
-            layer.ffn = layer.ffn._checkpoint_wrapped_module
-        if isinstance(layer, CheckpointWrapper) or any(isinstance(m, CheckpointWrapper) for m in layer.ffn.modules()):
-            raise ValueError(
-                f"distributed.activation_checkpointing={mode!r} checkpoints the draft's MoE blocks, whose expert "
-                "gradients are wrong under recipe_args.draft_ep_size > 1 (docs/recipes.md); use true"
+
+
+def require_experts_split(draft: torch.nn.Module, experts: DeviceMesh) -> None:
+    """Refuse unless every draft layer's routed-expert parameters are DTensors sharded on dim 0 over ``experts``'s
+    "ep" axis, each rank holding experts / EP of them.
+
+    Raises:
+        ValueError: naming the first layer and parameter that is not split so.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep = experts["ep"]
+    for index, layer in enumerate(draft.layers):
+        module = getattr(layer.ffn, "experts", None)
+        count = getattr(module, "n_routed_experts", None)
+        for name, parameter in module.named_parameters() if module is not None else ():
+            split = (
+                isinstance(parameter, DTensor)
+                and parameter.device_mesh == ep
+                and tuple(parameter.placements) == (Shard(0),)
+                and (count is None or parameter.to_local().shape[0] * ep.size() == count)
             )
+            if not split:
+                raise ValueError(
+                    f"draft layer {index}: ffn.experts.{name} is not split over the {ep.size()} expert-parallel ranks "
+                    f"(upstream's apply_ep skipped the layer: is its MoE wrapped, e.g. for activation checkpointing, "
+                    "before expert parallelism?)"
+                )
 
 
 def expert_mesh(device_type: str, world_size: int, ep_size: int) -> DeviceMesh:
@@ -138,6 +164,7 @@ def _shard_experts(draft: torch.nn.Module, experts: DeviceMesh, policy, world_si
         for layer in draft.layers:
             use_all_to_all_dispatch(layer.mlp.experts)
     apply_ep(draft, experts["ep"])
+    require_experts_split(draft, experts)
     for layer in draft.layers:
         # Dim 1 (hidden or expert width): a rank's local experts may be fewer than the ep_shard ranks.
         module = fully_shard(
@@ -160,4 +187,4 @@ def draft_mesh(device_mesh: DeviceMesh | None) -> DeviceMesh | None:
     return device_mesh["dp", "cp"]._flatten("dp_cp")
 
 
-__all__ = ["checkpoint_draft", "draft_mesh", "expert_mesh", "parallelize_draft"]
+__all__ = ["checkpoint_draft", "draft_mesh", "expert_mesh", "parallelize_draft", "require_experts_split"]

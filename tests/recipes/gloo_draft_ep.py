@@ -3,8 +3,8 @@
 Every rank builds the same tiny target and draft. The reference is the draft alone: the mean
 loss of the micro-batches of every dp group, one backward, upstream's clip. Then, for each
 layout (EP 1, EP 2, EP 4 over four dp ranks; EP 2 over dp 2 x CP 2; the all-to-all dispatcher, and
-upstream's all-gather one for EP 4 and EP 2 x CP 2; some with the recipe's activation checkpointing,
-``checkpoint_draft``, whose MoE blocks stay unwrapped under EP), the recipe's ``parallelize_draft``
+upstream's all-gather one for EP 4 and EP 2 x CP 2; some with the recipe's activation checkpointing, applied
+by ``parallelize_draft`` after expert parallelism, the MoE blocks included), the recipe's ``parallelize_draft``
 (FSDP2, experts on ``expert_mesh``) trains its micro-batch (under CP its shard of it) and must give:
 
 - the reference loss (mean over ranks) and every gradient (``full_tensor``), and the same
@@ -30,7 +30,7 @@ from nemo_automodel_ext.models.deepseek_v41.cp_trainer import PackedDSparkTraine
 from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41PackedDSparkModel
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import build_tiny_target, released_draft_options
-from nemo_automodel_ext.recipes.parallel import checkpoint_draft, draft_mesh, expert_mesh, parallelize_draft
+from nemo_automodel_ext.recipes.parallel import draft_mesh, expert_mesh, parallelize_draft
 
 SEQ_LENS = torch.tensor([[5, 0, 17, 18, 0], [9, 3, 28, -1000, 0]])
 SEQUENCE = 40
@@ -40,7 +40,7 @@ LAYOUTS = (
     (1, 1, "all_to_all", True),
     (2, 1, "all_to_all", True),
     (4, 1, "all_to_all", False),
-    (2, 2, "all_to_all", False),
+    (2, 2, "all_to_all", True),
     (4, 1, "all_to_all", True),
     (4, 1, "all_gather", False),
     (2, 2, "all_gather", True),
@@ -86,7 +86,6 @@ def main() -> None:
 
         device_mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp")) if cp > 1 else None
         module = PackedDSparkTrainerModule(copy.deepcopy(draft), loss_decay_gamma=2.0)
-        checkpoint_draft(module.draft_model, checkpointed, ep)
         native = parallelize_draft(
             module,
             "fsdp2",
@@ -96,7 +95,10 @@ def main() -> None:
             torch.float32,
             experts=expert_mesh("cpu", world, ep) if ep > 1 else None,
             dispatcher=dispatcher,
+            activation_checkpointing=checkpointed,
         )
+        if checkpointed:  # every layer's MoE block is checkpointed, under EP too
+            assert all(type(layer.ffn).__name__ == "CheckpointWrapper" for layer in native.draft_model.layers), ep
         d = device_mesh["dp"].get_local_rank() if cp > 1 else dist.get_rank()
         rows = slice(2 * d, 2 * d + 2)
         if cp > 1:
