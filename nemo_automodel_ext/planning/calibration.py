@@ -346,7 +346,7 @@ def calibrate(log=print) -> dict[str, Any]:
             points["draft_gradients"].append([anchors, tokens, measured["gradients"]])
             log(f"draft step {anchors} anchors, {tokens} tokens: peak {measured['peak'] / 2**20:.1f} MiB")
     optimizer = measure_optimizer()
-    from nemo_automodel_ext.planning.memory_model import model_counts
+    from nemo_automodel_ext.planning.counts import model_counts
 
     return {
         "torch": torch.__version__.split("+")[0],
