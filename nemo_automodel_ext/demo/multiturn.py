@@ -2,7 +2,8 @@
 
 Real chat data has a long tail of long conversations, which is where packing matters most and where
 padding every conversation to the longest wastes most. ``ensure_multiturn_mix(directory)`` writes
-``train.jsonl`` and ``val.jsonl`` in the OpenAI ``messages`` format:
+``train.jsonl``, ``val.jsonl`` (the test set) and ``dev.jsonl`` (held-out prompts not in ``val.jsonl``, where
+settings are chosen) in the OpenAI ``messages`` format:
 
 - each conversation has ``turns(rng)`` user/assistant exchanges: lognormal, median ``MEDIAN_TURNS``,
   at most ``MAX_TURNS`` (about 20 to 450 tokens a conversation);
@@ -23,8 +24,14 @@ import random
 from pathlib import Path
 
 from nemo_automodel_ext.demo.demo_target import load_demo_target
-from nemo_automodel_ext.demo.tiny_assets import regenerate, write_jsonl, write_staged
-from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, conversation
+from nemo_automodel_ext.demo.tiny_assets import (
+    ensure_dev_split,
+    plan_turns,
+    regenerate_turns,
+    write_jsonl,
+    write_staged,
+)
+from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer
 
 MEDIAN_TURNS = 3
 SIGMA = 0.9
@@ -49,15 +56,7 @@ def multiturn_conversations(model, tokenizer, rng: random.Random, split: str, co
     Returns:
         New ``{"messages": [...]}`` samples.
     """
-    plans = [[conversation(rng, split)["messages"] for _ in range(turns(rng))] for _ in range(count)]
-    messages: list[list[dict]] = [[] for _ in plans]
-    for turn in range(max(len(plan) for plan in plans)):
-        active = [index for index, plan in enumerate(plans) if turn < len(plan)]
-        # regenerate() answers the last user turn given everything before it; the planned answer is a guess.
-        samples = [{"messages": messages[index] + plans[index][turn]} for index in active]
-        for index, sample in zip(active, regenerate(model, tokenizer, samples), strict=True):
-            messages[index] = sample["messages"]
-    return [{"messages": conversation_messages} for conversation_messages in messages]
+    return regenerate_turns(model, tokenizer, [plan_turns(rng, split, turns(rng)) for _ in range(count)])
 
 
 def ensure_multiturn_mix(
@@ -74,7 +73,9 @@ def ensure_multiturn_mix(
         for split, count in (("train", train_samples), ("val", val_samples)):
             write_jsonl(staging / f"{split}.jsonl", multiturn_conversations(model, tokenizer, rng, split, count))
 
-    return write_staged(directory, write)
+    write_staged(directory, write)
+    ensure_dev_split(directory, val_samples, lambda rng, exclude: plan_turns(rng, "val", turns(rng), exclude))
+    return Path(directory)
 
 
 def main() -> None:
