@@ -64,11 +64,12 @@ from nemo_automodel_ext.quiet import quiet_sglang_warning
 from nemo_automodel_ext.recipes.acceptance_eval import AcceptanceEvaluator
 from nemo_automodel_ext.recipes.builders import check_layout_memory, frozen_target_setup
 from nemo_automodel_ext.recipes.loop_hooks import PackedDSparkLoopHooks
-from nemo_automodel_ext.recipes.parallel import checkpoint_draft, draft_mesh, expert_mesh, parallelize_draft
+from nemo_automodel_ext.recipes.parallel import draft_mesh, expert_mesh, parallelize_draft
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
+from nemo_automodel_ext.run.batching import build_token_budget_dataloader, token_budget
 from nemo_automodel_ext.run.config import section_get, validate_recipe_config
 from nemo_automodel_ext.run.data_checks import check_recipe_data, require_a_batch_per_rank
 from nemo_automodel_ext.run.loading import (
@@ -352,6 +353,27 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         return model.eval().requires_grad_(False)
 
     def _build_dataloader(self, args: dict[str, Any], path: str, split: str | None, train: bool):
+        """The batching ``recipe_args.batching`` names (``run/batching.py``): upstream's packed or padded loader,
+        or one conversation a row within a token budget (``dynamic``, ``grouped``)."""
+        if args["batching"] in ("dynamic", "grouped"):
+            dp = self.dp_mesh
+            distributed = dist.is_initialized()
+            return build_token_budget_dataloader(
+                data_path=path,
+                tokenizer=self.tokenizer,
+                seq_length=int(args["seq_length"]),
+                budget=token_budget(args),
+                grouped=args["batching"] == "grouped" and train,
+                shuffle=train,
+                shuffle_seed=int(args["shuffle_seed"]),
+                epochs=int(args["num_epochs"]),
+                split=split,
+                mask_reasoning_content=bool(args["mask_reasoning_content"]),
+                mask_generation_prompt=bool(args["mask_generation_prompt"]),
+                num_replicas=(dp.size() if dp is not None else dist.get_world_size()) if distributed else 1,
+                rank=(dp.get_local_rank() if dp is not None else dist.get_rank()) if distributed else 0,
+                num_workers=int(args["num_workers"]),
+            )
         return build_eagle3_dataloader(
             data_path=path,
             tokenizer=self.tokenizer,

@@ -32,7 +32,9 @@ class ResumedEpochLoader:
 
     @property
     def sampler(self):
-        return self.loader.sampler
+        """What the loop's ``set_epoch`` reaches: the batch sampler when it orders the epoch (``run/batching.py``)."""
+        batch_sampler = getattr(self.loader, "batch_sampler", None)
+        return batch_sampler if hasattr(batch_sampler, "set_epoch") else self.loader.sampler
 
     @property
     def dataset(self):

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from nemo_automodel_ext.models.deepseek_v41.expert_dispatch import DISPATCHERS
+from nemo_automodel_ext.run.batching import BATCHINGS, resolve_batching
 
 #: Every recipe_args key this recipe reads, with its default (None: required or optional).
 RECIPE_ARGS: dict[str, Any] = {
@@ -33,6 +34,8 @@ RECIPE_ARGS: dict[str, Any] = {
     "val_split": None,
     "seq_length": None,
     "packed_sequence_size": 0,
+    "batching": None,
+    "tokens_per_micro_batch": None,
     "micro_batch_size": 1,
     "num_workers": 0,
     "num_epochs": 1,
@@ -69,6 +72,7 @@ MARKOV_HEAD_TYPES = ("vanilla",)  # the released V4.1 draft's head (upstream ref
 INTEGER_KEYS = {
     "seq_length": 1,
     "packed_sequence_size": 0,
+    "tokens_per_micro_batch": 1,
     "micro_batch_size": 1,
     "num_workers": 0,
     "num_epochs": 1,
@@ -94,6 +98,7 @@ CHOICES = {
     "target_attn_backend": ("eager", "sdpa", "tilelang", "te", "flex", "torch"),
     "draft_attn_backend": ("eager", "sdpa", "flex", "te", "torch"),
     "draft_ep_dispatcher": DISPATCHERS,
+    "batching": (None, *BATCHINGS),
 }
 #: The largest finite float32: float settings beyond it overflow the optimizer's float32 state.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -154,6 +159,25 @@ def validate_recipe_config(
         raise ValueError(
             f"recipe_args.packed_sequence_size must be 0 (off) or in [1, seq_length={args['seq_length']}], got {packed}"
         )
+    batching = resolve_batching(args)
+    if (batching == "packed") != bool(packed):
+        raise ValueError(
+            f"recipe_args.batching={batching} "
+            + (
+                "needs recipe_args.packed_sequence_size > 0 (the row width)"
+                if batching == "packed"
+                else f"batches one conversation a row: set recipe_args.packed_sequence_size: 0 (got {packed})"
+            )
+        )
+    budget = args["tokens_per_micro_batch"]
+    if budget is not None and batching not in ("dynamic", "grouped"):
+        raise ValueError(f"recipe_args.tokens_per_micro_batch is for batching: dynamic or grouped (got {batching})")
+    if budget is not None and budget < int(args["seq_length"]):
+        raise ValueError(
+            f"recipe_args.tokens_per_micro_batch={budget} must hold one conversation of seq_length="
+            f"{args['seq_length']} tokens"
+        )
+    args["batching"] = batching
     if args["eval_every_steps"] is not None and args["val_data_path"] is None:
         raise ValueError("recipe_args.eval_every_steps needs held-out prompts: set recipe_args.val_data_path")
     distributed = cfg.get("distributed", None)
@@ -167,7 +191,9 @@ def validate_recipe_config(
     if world_size is not None and world_size % cp_size:
         raise ValueError(f"distributed.cp_size={cp_size} must divide the number of ranks ({world_size})")
     if cp_size > 1 and not packed:
-        raise ValueError("distributed.cp_size > 1 needs packed batches: set recipe_args.packed_sequence_size > 0")
+        raise ValueError(
+            "distributed.cp_size > 1 needs packed batches: set recipe_args.packed_sequence_size > 0 (batching: packed)"
+        )
     if cp_size > 1 and int(args["seq_length"]) < cp_size:
         raise ValueError(f"recipe_args.seq_length={args['seq_length']} is shorter than distributed.cp_size={cp_size}")
     dispatcher = args["target_dispatcher"]

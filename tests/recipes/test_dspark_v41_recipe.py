@@ -341,7 +341,15 @@ def test_bad_yaml_fails_before_writing_anything(tmp_path):
 
 
 def test_cp2_recipe_run_matches_cp1_step_for_step(uninterrupted):
-    """The whole recipe under CP=2 (two gloo ranks, one dp group) trains exactly like CP=1."""
+    """The whole recipe under CP=2 (two gloo ranks, one dp group) trains like CP=1: the same data every step, the
+    same loss to float rounding for the first ten steps, and within 0.2% after them.
+
+    CP shards sum the loss in another order, so the weights differ by rounding from the first step; where a
+    routing or anchor score is that close to a tie, the two runs take different branches and part slowly. On
+    some CPUs that happens inside the epoch: measured on one machine, both this code and the commit before it
+    (7edfd92) agree to 4e-7 for 11 steps, then part by 8e-5 at step 12 and 1e-3 by step 15; on others they
+    agree to 1e-7 throughout. The exact CP = 1 equality of one step's loss and gradients is pinned by the gloo
+    tests of ``tests/models/deepseek_v41/test_cp_draft.py``."""
     workdir, _, _ = uninterrupted
     lines = (workdir / "assets" / "train.jsonl").read_text().splitlines()[:300]
     small = workdir / "small.jsonl"
@@ -353,7 +361,8 @@ def test_cp2_recipe_run_matches_cp1_step_for_step(uninterrupted):
     assert len(single) == len(sharded) >= 15
     for one, two in zip(single, sharded, strict=True):
         assert (two["tokens"], two["data_checksum"]) == (one["tokens"], one["data_checksum"])
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-5), (one["step"], one["loss"], two["loss"])
+        tolerance = dict(rel=1e-4, abs=1e-5) if one["step"] <= 10 else dict(rel=2e-3)
+        assert two["loss"] == pytest.approx(one["loss"], **tolerance), (one["step"], one["loss"], two["loss"])
     assert list((workdir / "cp2" / "checkpoints").glob("epoch_*_step_*/rng/rng_dp_rank_0.pt"))
     # The greedy acceptance evaluation captures through the CP shard exactly as training does.
     evals = [[r for r in read_records(workdir / run) if r.get("split") == "val"] for run in ("cp1", "cp2")]
@@ -629,3 +638,32 @@ def test_a_folder_below_a_file_is_refused_before_the_target_loads(uninterrupted,
     assert last.startswith(f"error: {key}={blocker / 'run'}: {blocker} is a file, not a folder"), result.stderr[-3000:]
     assert "V4.1 target:" not in result.stdout + result.stderr  # refused before the target was built
     assert not (workdir / "below_a_file").exists()
+
+
+@pytest.mark.parametrize("batching", ["dynamic", "grouped"])
+def test_token_budget_batchings_train_every_document_once_and_resume_exactly(uninterrupted, batching):
+    """``batching: dynamic`` and ``grouped`` (one conversation a row, micro-batches within seq_length x
+    micro_batch_size tokens, padded to the batch's longest): one epoch trains each of 300 conversations once, and a
+    run resumed from its step-5 checkpoint repeats every later step's loss and data checksum."""
+    workdir, _, _ = uninterrupted
+    small = workdir / "small_budget.jsonl"
+    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:300]) + "\n")
+    common = (
+        f"--recipe_args.train_data_path={small}",
+        "--recipe_args.packed_sequence_size=0",
+        f"--recipe_args.batching={batching}",
+        "--recipe_args.ckpt_every_steps=5",
+        "--recipe_args.eval_every_steps=none",
+    )
+    run_tiny_recipe(workdir, batching, *common)
+    records = read_metrics(workdir / batching)
+    assert records[-1]["documents"] == 300 and len(records) >= 8
+    assert records[-1]["captured_tokens"] <= len(records) * 128 * 8  # within the token budget every step
+    checkpoint = workdir / batching / "checkpoints" / "epoch_0_step_5"
+    run_tiny_recipe(workdir, f"{batching}_resumed", *common, f"--checkpoint.restore_from={checkpoint}")
+    resumed = read_metrics(workdir / f"{batching}_resumed")
+    assert [record["step"] for record in resumed] == list(range(6, len(records) + 1))
+    for record in resumed:
+        reference = records[record["step"] - 1]
+        assert record["data_checksum"] == reference["data_checksum"]
+        assert record["loss"] == pytest.approx(reference["loss"], abs=1e-6)
