@@ -181,11 +181,10 @@ def one_document_rows(features: list[dict[str, Any]], pad_token_id: int) -> dict
         build_packed_eagle3_dataset([feature], packed_sequence_size=width, pad_token_id=pad_token_id)[0]
         for feature in features
     ]
-    batch = {
+    return {
         key: torch.tensor([row[key] for row in rows], dtype=torch.long)
         for key in ("input_ids", "loss_mask", "attention_mask", "position_ids", "doc_remaining", "seq_lens")
     }
-    return batch
 
 
 def build_token_budget_dataloader(
@@ -225,9 +224,11 @@ def build_token_budget_dataloader(
         mask_reasoning_content=mask_reasoning_content,
         mask_generation_prompt=mask_generation_prompt,
     )
-    lengths = [len(dataset[index]["input_ids"]) for index in range(len(dataset))]
+    # Tokenised once: the lengths order the batches, and the samples are what the batches hold (upstream's packed
+    # path also keeps its rows in memory).
+    samples = [dataset[index] for index in range(len(dataset))]
     sampler = TokenBudgetBatchSampler(
-        lengths,
+        [len(sample["input_ids"]) for sample in samples],
         budget,
         grouped=grouped,
         shuffle=shuffle,
@@ -237,7 +238,7 @@ def build_token_budget_dataloader(
         rank=rank,
     )
     return DataLoader(
-        dataset,
+        samples,
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=functools.partial(one_document_rows, pad_token_id=dataset.pad_token_id),
