@@ -250,6 +250,13 @@ def run_tiny_recipe(workdir: Path, run: str, *overrides: str, nproc: int = 1) ->
     return result.stdout + result.stderr
 
 
+def first_conversations(workdir: Path, name: str, count: int) -> Path:
+    """``workdir / name``: the first ``count`` conversations of the shared assets' ``train.jsonl``."""
+    path = workdir / name
+    path.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:count]) + "\n")
+    return path
+
+
 def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -351,9 +358,7 @@ def test_cp2_recipe_run_matches_cp1_step_for_step(uninterrupted):
     agree to 1e-7 throughout. The exact CP = 1 equality of one step's loss and gradients is pinned by the gloo
     tests of ``tests/models/deepseek_v41/test_cp_draft.py``."""
     workdir, _, _ = uninterrupted
-    lines = (workdir / "assets" / "train.jsonl").read_text().splitlines()[:300]
-    small = workdir / "small.jsonl"
-    small.write_text("\n".join(lines) + "\n")
+    small = first_conversations(workdir, "small.jsonl", 300)
     common = (f"--recipe_args.train_data_path={small}", "--recipe_args.micro_batch_size=4")
     run_tiny_recipe(workdir, "cp1", *common)
     run_tiny_recipe(workdir, "cp2", *common, "--distributed.cp_size=2", nproc=2)
@@ -374,8 +379,7 @@ def test_cp2_recipe_run_matches_cp1_step_for_step(uninterrupted):
 
 def fsdp2_overrides(workdir: Path, cp_size: int, ep_size: int = 1) -> tuple[str, ...]:
     """The two-rank FSDP2 runs' overrides: 300 training conversations, a checkpoint every 5 steps."""
-    small = workdir / "small_fsdp2.jsonl"
-    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:300]) + "\n")
+    small = first_conversations(workdir, "small_fsdp2.jsonl", 300)
     return (
         f"--recipe_args.train_data_path={small}",
         f"--distributed.cp_size={cp_size}",
@@ -448,8 +452,7 @@ def test_accumulation_reduce_scatters_every_micro_batch_with_the_deferred_sync_s
     into sharded gradients (no unsharded fp32 gradients held between micro-batches); upstream's deferred sync
     gives the same losses and the same trained weights."""
     workdir, _, _ = uninterrupted
-    small = workdir / "small_accumulation.jsonl"
-    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:640]) + "\n")
+    small = first_conversations(workdir, "small_accumulation.jsonl", 640)
     common = (
         f"--recipe_args.train_data_path={small}",
         "--distributed.strategy=fsdp2",
@@ -480,8 +483,7 @@ def test_accumulation_reduce_scatters_every_micro_batch_with_the_deferred_sync_s
 def test_wandb_section_is_honoured_offline(uninterrupted):
     """A ``wandb:`` section starts a run (offline here) that receives training and greedy-eval metrics."""
     workdir, _, _ = uninterrupted
-    small = workdir / "small_wandb.jsonl"
-    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:120]) + "\n")
+    small = first_conversations(workdir, "small_wandb.jsonl", 120)
     run_tiny_recipe(
         workdir,
         "wandb",
@@ -545,8 +547,7 @@ def test_bad_data_is_refused_in_one_last_line_before_any_output(uninterrupted, c
 def test_non_finite_loss_stops_the_run_naming_the_step(uninterrupted):
     """NaN in the captured features at step 4: the run stops there; the last checkpoint (step 2) is finite."""
     workdir, _, _ = uninterrupted
-    small = workdir / "small_nan.jsonl"
-    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:200]) + "\n")
+    small = first_conversations(workdir, "small_nan.jsonl", 200)
     assets = workdir / "assets"
     command = torchrun_command(
         REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml",
@@ -579,8 +580,7 @@ def test_non_finite_loss_stops_the_run_naming_the_step(uninterrupted):
 def test_every_step_is_logged_when_epochs_end_mid_accumulation(uninterrupted):
     """grad_accumulation_steps that do not divide the epoch: the step flushing the partial window is logged too."""
     workdir, _, _ = uninterrupted
-    small = workdir / "small_accumulate.jsonl"
-    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:100]) + "\n")
+    small = first_conversations(workdir, "small_accumulate.jsonl", 100)
     run_tiny_recipe(
         workdir,
         "accumulate",
@@ -646,8 +646,7 @@ def test_token_budget_batchings_train_every_document_once_and_resume_exactly(uni
     micro_batch_size tokens, padded to the batch's longest): one epoch trains each of 300 conversations once, and a
     run resumed from its step-5 checkpoint repeats every later step's loss and data checksum."""
     workdir, _, _ = uninterrupted
-    small = workdir / "small_budget.jsonl"
-    small.write_text("\n".join((workdir / "assets" / "train.jsonl").read_text().splitlines()[:300]) + "\n")
+    small = first_conversations(workdir, "small_budget.jsonl", 300)
     common = (
         f"--recipe_args.train_data_path={small}",
         "--recipe_args.packed_sequence_size=0",
