@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv distill eval test bench compare clean
+.PHONY: venv distill eval test bench compare gpu-check gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,18 @@ bench: $(STAMP)
 # (docs/images/packed_vs_unpacked.png), sampled tau at T=1 over 3 seeds, the goals (benchmarks/packing_value.py).
 compare: $(STAMP)
 	$(PY) benchmarks/packing_value.py $(COMPARE_ARGS)
+
+# The device kit (docs/testing.md). Here: `make gpu-wheels` builds .whl/ (the wheels the lent H200's image lacks).
+# There, from the repository root: `make gpu-check GPU_CHECK_ARGS="--output DIR"` with the image's python3.
+gpu-wheels: $(STAMP)
+	$(PY) benchmarks/gpu_wheels.py
+
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/site
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl
+	PYTHONPATH=$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs

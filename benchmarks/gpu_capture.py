@@ -93,7 +93,9 @@ def bf16_target(device: str, attn: str):
     return model.eval()
 
 
-def capture_table(device: str, attn: str, row: int, documents: list[int], repeats: int) -> None:
+def capture_rows(device: str, attn: str, row: int, documents: list[int], repeats: int) -> list[dict]:
+    """Table 1's rows: ``{"docs", "impl", "ms_per_1k", "host_reads", "ops", "peak_gib"}`` or ``{"docs", "impl",
+    "error"}``, each printed as it is measured."""
     from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 
     upstream = bf16_target(device, attn)
@@ -102,44 +104,67 @@ def capture_table(device: str, attn: str, row: int, documents: list[int], repeat
     print(f"\n### Capture: mid config, {row}-token row, attention {attn}, {device}\n")
     print("| docs | impl | ms / 1k tok | host reads | ops | peak GiB |\n| ---: | --- | ---: | ---: | ---: | ---: |")
     vocab = upstream.config.text_config.vocab_size
+    rows = []
     for count in documents:
         tokens = torch.randint(10, vocab - 10, (1, row), generator=torch.Generator().manual_seed(count)).to(device)
         seq_lens = equal_documents(row, count).to(device)
         for name, model in (("upstream", upstream), ("plugin", plugin)):
             result = guarded(lambda: timed(lambda: capture(model, tokens, seq_lens), device, repeats))
             if isinstance(result, str):
-                print(f"| {count} | {name} | {result} | | | |")
+                rows.append({"docs": count, "impl": name, "error": result})
+                print(f"| {count} | {name} | {result} | | | |", flush=True)
                 continue
             counter = _CountOps()
             with count_host_syncs() as sites, counter:
                 capture(model, tokens, seq_lens)
             milliseconds, peak = result
+            rows.append(
+                {
+                    "docs": count,
+                    "impl": name,
+                    "ms_per_1k": milliseconds / (row / 1000),
+                    "host_reads": sum(sites.values()),
+                    "ops": counter.ops,
+                    "peak_gib": peak,
+                }
+            )
             print(
                 f"| {count} | {name} | {milliseconds / (row / 1000):.2f} | {sum(sites.values())} | {counter.ops} "
                 f"| {peak:.2f} |",
                 flush=True,
             )
+    return rows
 
 
-def indexer_table(device: str, attn: str, rows: list[int], documents: int, repeats: int) -> None:
+def indexer_rows(device: str, attn: str, rows: list[int], documents: int, repeats: int) -> list[dict]:
+    """Table 2's rows: ``{"row", "impl", "ms", "peak_gib"}`` or ``{"row", "impl", "error"}``, printed as measured."""
     from nemo_automodel_ext.models.deepseek_v41 import packed_indexer
 
     print(f"\n### One indexer layer: ratio 1, {documents} documents a row, backend {attn}, {device}\n")
     print("| row | impl | ms | peak GiB |\n| ---: | --- | ---: | ---: |")
     default = packed_indexer.BAND_ELEMENTS
-    for row in rows:
-        cases = [("upstream", None)] + [(f"plugin 2^{e}", 1 << e) for e in (22, 24, 26)]
-        for name, budget in cases:
-            packed_indexer.BAND_ELEMENTS = budget or default
+    measured = []
+    try:
+        for row in rows:
+            cases = [("upstream", None)] + [(f"plugin 2^{e}", 1 << e) for e in (22, 24, 26)]
+            for name, budget in cases:
+                packed_indexer.BAND_ELEMENTS = budget or default
 
-            def run(name=name):
-                layer, inputs, _ = build(1, row, documents, name != "upstream", device, attn)
-                return timed(lambda: layer(**inputs), device, repeats)
+                def run(name=name):
+                    layer, inputs, _ = build(1, row, documents, name != "upstream", device, attn)
+                    return timed(lambda: layer(**inputs), device, repeats)
 
-            result = guarded(run)
-            cell = f"{result} | " if isinstance(result, str) else f"{result[0]:.2f} | {result[1]:.2f}"
-            print(f"| {row // 1024}k | {name} | {cell} |", flush=True)
+                result = guarded(run)
+                if isinstance(result, str):
+                    measured.append({"row": row, "impl": name, "error": result})
+                    cell = f"{result} | "
+                else:
+                    measured.append({"row": row, "impl": name, "ms": result[0], "peak_gib": result[1]})
+                    cell = f"{result[0]:.2f} | {result[1]:.2f}"
+                print(f"| {row // 1024}k | {name} | {cell} |", flush=True)
+    finally:
         packed_indexer.BAND_ELEMENTS = default
+    return measured
 
 
 def main() -> None:
@@ -156,8 +181,8 @@ def main() -> None:
     row, documents = (512, [1, 64]) if args.quick else (8192, [1, 64, 512])
     rows = [4096] if args.quick else [16384, 65536, 131072]
     repeats = 1 if args.quick else 5
-    capture_table(args.device, attn if args.device == "cuda" else "eager", row, documents, repeats)
-    indexer_table(args.device, attn if args.device == "cuda" else "eager", rows, 256 if not args.quick else 16, repeats)
+    capture_rows(args.device, attn if args.device == "cuda" else "eager", row, documents, repeats)
+    indexer_rows(args.device, attn if args.device == "cuda" else "eager", rows, 256 if not args.quick else 16, repeats)
 
 
 if __name__ == "__main__":

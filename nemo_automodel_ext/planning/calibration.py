@@ -73,10 +73,14 @@ def calibration_config():
 
 
 @contextlib.contextmanager
-def cpu_stand_ins() -> Iterator[None]:
+def cpu_stand_ins(fused_sdpa: bool = True) -> Iterator[None]:
     """Upstream's CUDA-only kernels replaced by CPU functions allocating what the kernels allocate.
 
     Active only inside the ``with`` block (build and measure inside it); upstream is restored after.
+
+    Args:
+        fused_sdpa: Also replace ``scaled_dot_product_attention`` by ``_FusedAttention`` (CPU: its math path
+            holds fp32 probabilities the CUDA kernels never hold). False on CUDA, which has the fused kernels.
     """
     from unittest import mock
 
@@ -90,12 +94,14 @@ def cpu_stand_ins() -> Iterator[None]:
         return torch.zeros_like(query)
 
     eager_swiglu = getattr(experts.swiglu_clamped_deepep, "_torchdynamo_orig_callable", experts.swiglu_clamped_deepep)
-    with (
-        mock.patch.object(attention, "indexer_scores", indexer_scores),
-        mock.patch.object(attention, "dsv4_sparse_attention", sparse_attention),
-        mock.patch.object(experts, "swiglu_clamped_deepep", eager_swiglu),
-        mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _FusedAttention.apply_sdpa),
-    ):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(attention, "indexer_scores", indexer_scores))
+        stack.enter_context(mock.patch.object(attention, "dsv4_sparse_attention", sparse_attention))
+        stack.enter_context(mock.patch.object(experts, "swiglu_clamped_deepep", eager_swiglu))
+        if fused_sdpa:
+            stack.enter_context(
+                mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _FusedAttention.apply_sdpa)
+            )
         yield
 
 
@@ -107,7 +113,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask):
         out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        lse = torch.zeros(query.shape[:-1], dtype=torch.float32)
+        lse = torch.zeros(query.shape[:-1], dtype=torch.float32, device=query.device)
         ctx.save_for_backward(query, key, value, out, lse)
         return out
 
@@ -122,7 +128,8 @@ class _FusedAttention(torch.autograd.Function):
 
 
 def _initialise(module: torch.nn.Module, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
+    device = next(module.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for parameter in module.parameters():
             if parameter.is_floating_point():
@@ -132,8 +139,8 @@ def _initialise(module: torch.nn.Module, seed: int) -> None:
                 buffer.zero_()
 
 
-def build_calibration_target(seed: int = 0):
-    """The calibration target in bf16 on CPU, eval mode, with the plugin's packed indexer (inside ``cpu_stand_ins``)."""
+def build_calibration_target(seed: int = 0, device: str | torch.device = "cpu"):
+    """The calibration target in bf16 on ``device``, eval mode, with the packed indexer (in ``cpu_stand_ins``)."""
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
     from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
@@ -141,7 +148,7 @@ def build_calibration_target(seed: int = 0):
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(calibration_config(), backend=cpu_backend(attn="tilelang"))
-    model = model.to_empty(device="cpu")  # the config's dtypes: bf16, fp32 where upstream keeps it
+    model = model.to_empty(device=device)  # the config's dtypes: bf16, fp32 where upstream keeps it
     _initialise(model, seed)
     for module in model.modules():
         if hasattr(module, "sinkhorn_backend"):
@@ -150,10 +157,10 @@ def build_calibration_target(seed: int = 0):
     return model.eval()
 
 
-def _document(tokens: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def _document(tokens: int, vocab: int, seed: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab - 16, (1, tokens), generator=generator)
-    return {
+    batch = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
         "loss_mask": torch.ones_like(ids),
@@ -161,6 +168,7 @@ def _document(tokens: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
         "seq_lens": torch.tensor([[tokens]]),
         "doc_remaining": torch.arange(tokens - 1, -1, -1).unsqueeze(0),
     }
+    return {name: value.to(device) for name, value in batch.items()}
 
 
 def run_capture(target, tokens: int, mode: contextlib.AbstractContextManager):
@@ -178,7 +186,7 @@ def run_capture(target, tokens: int, mode: contextlib.AbstractContextManager):
 
     text = target.config.text_config
     wrapper = DeepseekV41DSparkTargetModel(target, list(text.dspark_target_layer_ids))
-    batch = _document(tokens, int(text.vocab_size), seed=tokens)
+    batch = _document(tokens, int(text.vocab_size), seed=tokens, device=next(target.parameters()).device)
     with mode:
         return wrapper.generate_batch(**batch)
 
@@ -198,8 +206,8 @@ def measure_capture(target, tokens: int) -> dict[str, int]:
     return {"peak": peak, "captured": held}
 
 
-def build_calibration_draft(anchors: int, seed: int = 1):
-    """The released Flash draft (3 layers, block 5) at the calibration widths, bf16, checkpointed.
+def build_calibration_draft(anchors: int, seed: int = 1, device: str | torch.device = "cpu"):
+    """The released Flash draft (3 layers, block 5) at the calibration widths, bf16, checkpointed, on ``device``.
 
     Returns:
         ``PackedDSparkTrainerModule`` around a packed draft with a frozen embedding and head (random: the
@@ -217,7 +225,7 @@ def build_calibration_draft(anchors: int, seed: int = 1):
         draft = DeepseekV41PackedDSparkModel.from_options(
             released_draft_options(text, num_anchors=anchors), anchors_per_document=anchors
         )
-    draft = draft.to_empty(device="cpu")
+    draft = draft.to_empty(device=device)
     cast_model_to_dtype(draft, torch.bfloat16)  # as the recipe on CUDA
     _initialise(draft, seed)
     draft.set_embedding_head_trainable(False)
@@ -244,11 +252,12 @@ def run_draft_step(trainer, anchors: int, tokens: int, mode: contextlib.Abstract
         Gradient bytes the backward produced per trainable parameter.
     """
     text = trainer.draft_model.config
-    batch = _document(tokens, int(text.vocab_size), seed=anchors)
-    generator = torch.Generator().manual_seed(anchors)
+    device = next(trainer.parameters()).device
+    batch = _document(tokens, int(text.vocab_size), seed=anchors, device=device)
+    generator = torch.Generator(device=device).manual_seed(anchors)
     width = len(text.dspark_target_layer_ids) * int(text.hidden_size)
-    features = torch.randn(1, tokens, width, generator=generator).to(torch.bfloat16)
-    last = torch.randn(1, tokens, int(text.hidden_size), generator=generator).to(torch.bfloat16)
+    features = torch.randn(1, tokens, width, generator=generator, device=device).to(torch.bfloat16)
+    last = torch.randn(1, tokens, int(text.hidden_size), generator=generator, device=device).to(torch.bfloat16)
     trainer.zero_grad(set_to_none=True)
     trainer.draft_model.anchors_per_document = anchors
     gradient_bytes = []
