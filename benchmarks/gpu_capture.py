@@ -11,7 +11,7 @@ Prints two tables, each upstream's implementation next to the plugin's on the sa
    ops dispatched (a kernel launch or more each) and peak allocated memory.
 2. **One indexer layer** (``benchmarks/indexer_band.py`` on the GPU): 16k, 64k and 128k rows of 256
    documents, compression ratio 1 (as released Flash's layers 20-39), milliseconds and peak allocated memory;
-   the plugin at ``BAND_ELEMENTS`` 2^22 (the default), 2^24 and 2^26 (fewer, larger calls).
+   the plugin at ``BAND_ELEMENTS`` 2^22 (CPU's default), 2^24 and 2^26 (CUDA's default: fewer, larger calls).
 
 Attention and the indexer use TileLang where it imports (``--attn tilelang``), SDPA/eager otherwise; a case
 that runs out of memory prints ``OOM``, one that fails otherwise its error in one line. The tests need

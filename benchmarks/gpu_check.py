@@ -101,6 +101,16 @@ def layer_peaks(target, device: str) -> tuple[dict[int, int], list]:
     return peaks, hooks
 
 
+_DRAFTS: dict[str, Any] = {}
+
+
+def calibration_draft(cal, device: str):
+    """``calibration.build_calibration_draft`` on ``device``, built once for the memory and FLOP sections."""
+    if device not in _DRAFTS:
+        _DRAFTS[device] = cal.build_calibration_draft(64, device=device)
+    return _DRAFTS[device]
+
+
 def memory_section(device: str, quick: bool) -> dict[str, Any]:
     """(c): capture and draft-step peaks against ``calibration.json``'s fits (see the module docstring)."""
     from nemo_automodel_ext.planning import calibration as cal
@@ -109,7 +119,7 @@ def memory_section(device: str, quick: bool) -> dict[str, Any]:
     tokens = (128, 256) if quick else (2048, 4096, 8192)
     steps = ((8, 256), (16, 256), (8, 512)) if quick else ((64, 2048), (256, 2048), (64, 8192))
     rows: list[dict[str, Any]] = []
-    with cal.cpu_stand_ins(fused_sdpa=device == "cpu"):
+    with cal.cpu_stand_ins(math_sdpa=device == "cpu"):
         target = cal.build_calibration_target(device=device)
         kinds = [f"ratio {r}" if r else "sliding" for r in target.config.text_config.compress_ratios[:5]]
         for count in tokens:
@@ -138,7 +148,7 @@ def memory_section(device: str, quick: bool) -> dict[str, Any]:
         del target
         if device == "cuda":
             torch.cuda.empty_cache()
-        trainer = cal.build_calibration_draft(steps[0][0], device=device)
+        trainer = calibration_draft(cal, device)
         for anchors, count in steps:
             mode = peak_mode(device)
             cal.run_draft_step(trainer, anchors, count, mode)
@@ -163,49 +173,53 @@ def memory_section(device: str, quick: bool) -> dict[str, Any]:
     return {"rows": rows, "counter": "torch.cuda.max_memory_allocated" if device == "cuda" else "LiveBytes"}
 
 
-def draft_flops_section(device: str, quick: bool) -> dict[str, Any]:
-    """(d): the draft step's achieved TFLOP/s against the step-time model's assumption."""
+def time_draft_step(cal, trainer, anchors: int, count: int, device: str, quick: bool, peak_tflops: float) -> dict:
+    """FLOPs (``FlopCounterMode``) and best seconds of one draft step after a warm-up (``quick``: one timed run)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    counter = FlopCounterMode(display=False)
+    cal.run_draft_step(trainer, anchors, count, counter)
+    flops = counter.get_total_flops()
+    timings = []
+    for _ in range(1 if quick else 4):  # on CUDA the first is a warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        cal.run_draft_step(trainer, anchors, count, contextlib.nullcontext())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        timings.append(time.perf_counter() - started)
+    best = min(timings[1:] or timings)
+    tflops = flops / best / 1e12
+    return {
+        "anchors": anchors,
+        "tokens": count,
+        "flops": flops,
+        "seconds": best,
+        "tflops": tflops,
+        "mfu": tflops / peak_tflops if device == "cuda" else None,
+    }
+
+
+def draft_flops_section(device: str, quick: bool) -> dict[str, Any]:
+    """(d): the draft step's achieved TFLOP/s against the step-time model's assumption."""
     from nemo_automodel_ext.planning import calibration as cal
     from nemo_automodel_ext.planning.step_time import GPUS, MFU
 
     # CP-native Flash points: a 64k row under CP 2 is 32k tokens a rank with 2048 / 2 anchors (the H200 recipe).
+    # At b9f6ca8 (before the draft attention folded its heads) the 1024-anchor point ran out of 140 GB.
     points = ((8, 256),) if quick else ((512, 16384), (1024, 32768))
     peak_tflops = GPUS["H200"].bf16_tflops
     rows = []
-    with cal.cpu_stand_ins(fused_sdpa=device == "cpu"):
-        trainer = cal.build_calibration_draft(points[0][0], device=device)
+    with cal.cpu_stand_ins(math_sdpa=device == "cpu"):
+        trainer = calibration_draft(cal, device)
         for anchors, count in points:
-            counter = FlopCounterMode(display=False)
-            cal.run_draft_step(trainer, anchors, count, counter)
-            flops = counter.get_total_flops()
-            timings = []
-            for _ in range(1 if quick else 4):  # on CUDA the first is a warm-up
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                started = time.perf_counter()
-                cal.run_draft_step(trainer, anchors, count, contextlib.nullcontext())
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                timings.append(time.perf_counter() - started)
-            best = min(timings[1:] or timings)
-            tflops = flops / best / 1e12
-            rows.append(
-                {
-                    "anchors": anchors,
-                    "tokens": count,
-                    "flops": flops,
-                    "seconds": best,
-                    "tflops": tflops,
-                    "mfu": tflops / peak_tflops if device == "cuda" else None,
-                }
-            )
-            print(
-                f"draft step {anchors} anchors, {count} tokens: {flops / 1e12:.1f} TFLOP in {best * 1e3:.0f} ms, "
-                f"{tflops:.1f} TFLOP/s",
-                flush=True,
-            )
+            try:
+                rows.append(time_draft_step(cal, trainer, anchors, count, device, quick, peak_tflops))
+            except torch.OutOfMemoryError as error:  # a row of its own: the points measured before it stay
+                torch.cuda.empty_cache()
+                rows.append({"anchors": anchors, "tokens": count, "error": f"OOM: {str(error).splitlines()[0][:160]}"})
+            print(rows[-1], flush=True)
     return {"rows": rows, "assumed_mfu": MFU, "peak_tflops": peak_tflops}
 
 
@@ -334,6 +348,9 @@ def markdown(record: dict[str, Any]) -> str:
                 "| ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
             for row in section["rows"]:
+                if "error" in row:
+                    lines.append(f"| {row['anchors']} | {row['tokens']} | {row['error']} | | | |")
+                    continue
                 mfu = "" if row["mfu"] is None else f"{row['mfu']:.3f}"
                 lines.append(
                     f"| {row['anchors']} | {row['tokens']} | {row['flops'] / 1e12:.2f} | {row['seconds'] * 1e3:.0f} "
@@ -430,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                 "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}",
                 "log_tail": traceback.format_exc().splitlines()[-12:],
             }
+        if name == "draft_flops":
+            _DRAFTS.clear()  # the last section that uses it
         if args.device == "cuda":
             torch.cuda.empty_cache()
         record["sections"][name] = result

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_RECIPES = {  # ranks and GiB a GPU each shipped GPU recipe is laid out for
-    "dspark_flash_h200_4node_cp.yaml": (32, 141),
+    "dspark_flash_h200_4node.yaml": (32, 141),
     "dspark_flash_h100_8node_cp.yaml": (64, 80),
 }
 

@@ -73,19 +73,22 @@ def calibration_config():
 
 
 @contextlib.contextmanager
-def cpu_stand_ins(fused_sdpa: bool = True) -> Iterator[None]:
+def cpu_stand_ins(math_sdpa: bool = True) -> Iterator[None]:
     """Upstream's CUDA-only kernels replaced by CPU functions allocating what the kernels allocate.
 
     Active only inside the ``with`` block (build and measure inside it); upstream is restored after.
 
     Args:
-        fused_sdpa: Also replace ``scaled_dot_product_attention`` by ``_FusedAttention`` (CPU: its math path
-            holds fp32 probabilities the CUDA kernels never hold). False on CUDA, which has the fused kernels.
+        math_sdpa: Run ``scaled_dot_product_attention`` on its math kernel, the one CUDA took for the draft's
+            attention at Flash widths (head_dim 512 is beyond flash attention): an H200's allocator peak of
+            the draft step equalled this counter's on that kernel at 64 and 256 anchors (docs/gpu_check.md).
+            Where CUDA takes a fused kernel, the step holds less. False measures whatever the device picks.
     """
     from unittest import mock
 
     from nemo_automodel.components.models.deepseek_v41 import attention
     from nemo_automodel.components.moe import experts
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def indexer_scores(queries, keys, weights, allowed):  # [batch, queries, keys] fp32, like the kernel
         return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device)
@@ -98,33 +101,9 @@ def cpu_stand_ins(fused_sdpa: bool = True) -> Iterator[None]:
         stack.enter_context(mock.patch.object(attention, "indexer_scores", indexer_scores))
         stack.enter_context(mock.patch.object(attention, "dsv4_sparse_attention", sparse_attention))
         stack.enter_context(mock.patch.object(experts, "swiglu_clamped_deepep", eager_swiglu))
-        if fused_sdpa:
-            stack.enter_context(
-                mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _FusedAttention.apply_sdpa)
-            )
+        if math_sdpa:
+            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         yield
-
-
-class _FusedAttention(torch.autograd.Function):
-    """CUDA's fused SDPA (flash or memory-efficient) by what it allocates: the output and an fp32 log-sum-exp a
-    query row forward; the inputs' gradients backward. CPU's math SDPA would materialise fp32 [queries, keys]
-    probabilities per head, which the GPU kernels never hold."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, attn_mask):
-        out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        lse = torch.zeros(query.shape[:-1], dtype=torch.float32, device=query.device)
-        ctx.save_for_backward(query, key, value, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, value, _, _ = ctx.saved_tensors
-        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
-
-    @staticmethod
-    def apply_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-        return _FusedAttention.apply(query, key, value, attn_mask)
 
 
 def _initialise(module: torch.nn.Module, seed: int) -> None:

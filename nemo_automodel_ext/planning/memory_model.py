@@ -348,6 +348,9 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         )
         if layout.strategy == "fsdp2"
         else 2 * FP32 * counts.draft_trainable * peers,
+        # The frozen embedding and head (in the root unit, gathered once a micro-batch and kept: not resharded
+        # after forward); the trainable parameters' gathers are counted above, and frozen ones never reduce.
+        "draft frozen root gather (FSDP2)": BF16 * counts.draft_frozen * peers if layout.strategy == "fsdp2" else 0,
         # Per draft layer and pass (forward, recompute, backward). All-to-all: each routed pair's bf16
         # activations to its expert's rank and its output back, (draft_ep - 1) / draft_ep of them leaving the
         # rank (the bytes of a pair counted on gloo: tests/models/deepseek_v41/gloo_expert_dispatch.py; the routing

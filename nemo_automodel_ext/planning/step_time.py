@@ -1,10 +1,19 @@
 """Step time and tokens/s a GPU of a packed DSpark layout: FLOPs and bytes per link, on stated GPU presets.
 
-``step_time(counts, layout, gpu)`` divides one micro-batch's FLOPs per GPU by the GPU's dense bf16 peak at an
-assumed model FLOPs utilisation (``MFU``), and each of ``memory_model.estimate``'s traffic entries by the
-bandwidth of the link it crosses (NVLink inside a node, the network between nodes); compute and communication
-are assumed to overlap, so a micro-batch takes the longer of the two. ``fastest_fitting`` searches EP and CP
-sizes for the layout with the most real tokens a second a GPU among those that fit with 10% to spare.
+``step_time(counts, layout, gpu)`` divides one micro-batch's FLOPs per GPU by the GPU's dense bf16 peak at a
+model FLOPs utilisation (the target's forward at an assumed ``MFU``; the draft step at ``DRAFT_MFU``, measured
+on an H200 by ``make gpu-check``), and each of ``memory_model.estimate``'s traffic entries by the bandwidth of
+the link it crosses (NVLink inside a node, the network between nodes). Three times come out, each a bound:
+
+- ``step_s``, no overlap: compute, then every transfer (the bound layouts are chosen by, since nothing in the
+  plugin schedules the target's expert gathers under compute: FSDP2's implicit forward prefetch may hide them,
+  which no test here shows);
+- ``overlapped_s``: the longer of compute and communication (full overlap: the best case);
+- ``network_s``: the transfers over the network alone (no layout runs faster than its network allows).
+
+``gather_budget`` puts one target layer's FSDP all-gather beside one layer's compute: the overlap is possible
+only where the gather is the shorter. ``fastest_fitting`` searches EP and CP sizes for the layout with the most
+real tokens a second a GPU (no overlap) among those that fit with 10% to spare.
 
 FLOPs (``micro_batch_flops``), counted as multiply-adds x 2:
 
@@ -19,7 +28,7 @@ FLOPs (``micro_batch_flops``), counted as multiply-adds x 2:
 
 ``tests/planning/test_step_time.py`` pins the non-expert target FLOPs and the draft step's to
 ``torch.utils.flop_counter`` on the calibration models. The presets' peaks and bandwidths are vendor numbers;
-``MFU`` and the overlap are assumptions: a measured step on the GPU replaces them.
+``MFU`` is an assumption until the target's kernels (TileLang, Transformer Engine, HybridEP) are timed.
 """
 
 from __future__ import annotations
@@ -35,7 +44,10 @@ from nemo_automodel_ext.planning.memory_model import (
     rank_feature_columns,
 )
 
-MFU = 0.40  # assumed share of the dense bf16 peak a step reaches
+MFU = 0.40  # assumed share of the dense bf16 peak the target's forward reaches (not measured)
+# Measured: the Flash draft step (3 layers, block 5, SDPA, upstream's torch experts) at 512 anchors and 16k
+# tokens on an H200 ran 33.9 TFLOP in 669 ms, 50.7 TFLOP/s (docs/gpu_check.md, make gpu-check at b9f6ca8).
+DRAFT_MFU = 0.051
 FIT_MARGIN = 0.10  # fraction of usable memory a layout keeps spare
 
 
@@ -75,11 +87,17 @@ class StepTime:
         flops: FLOPs by part.
         seconds: Seconds by part (compute, then each traffic entry on its link).
         memory: The layout's memory estimate.
+        network: Seconds of each traffic entry's share that crosses the network.
+        target_compute_s: Seconds of the target's forward (its part of ``compute``).
+        layers: Target layers (``gather_budget`` is per layer).
     """
 
     flops: dict[str, float]
     seconds: dict[str, float]
     memory: Estimate
+    network: dict[str, float]
+    target_compute_s: float
+    layers: int
 
     @property
     def compute_s(self) -> float:
@@ -91,14 +109,30 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        """Seconds a micro-batch takes with compute and communication overlapped."""
+        """Seconds a micro-batch takes with no overlap: compute, then every transfer."""
+        return self.compute_s + self.communication_s
+
+    @property
+    def overlapped_s(self) -> float:
+        """Seconds a micro-batch takes with compute and communication fully overlapped (a lower bound)."""
         return max(self.compute_s, self.communication_s)
 
     @property
-    def tokens_per_s(self) -> float:
-        """Packed tokens a second a GPU (a row is shared by its CP group)."""
+    def network_s(self) -> float:
+        """Seconds of the micro-batch's transfers over the network alone (a lower bound)."""
+        return sum(self.network.values())
+
+    def tokens_per_s(self, seconds: float | None = None) -> float:
+        """Packed tokens a second a GPU (a row is shared by its CP group) at ``seconds`` a micro-batch
+        (default ``step_s``, no overlap)."""
         layout = self.memory.layout
-        return layout.rows * layout.row_tokens / layout.cp / self.step_s
+        return layout.rows * layout.row_tokens / layout.cp / (seconds or self.step_s)
+
+    @property
+    def gather_budget(self) -> tuple[float, float]:
+        """(seconds of one target layer's FSDP all-gather, seconds of one target layer's compute)."""
+        layers = self.layers
+        return self.seconds["target FSDP all-gather"] / layers, self.target_compute_s / layers
 
 
 def micro_batch_flops(counts: ModelCounts, layout: Layout, text) -> dict[str, float]:
@@ -152,11 +186,16 @@ def step_time(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime:
     """Seconds and tokens/s a GPU of one micro-batch of ``layout`` on ``gpu`` (see the module docstring)."""
     memory = estimate(counts, layout)
     flops = micro_batch_flops(counts, layout, text)
-    seconds = {"compute": sum(flops.values()) / (gpu.bf16_tflops * 1e12 * MFU)}
+    peak = gpu.bf16_tflops * 1e12
+    target = sum(value for name, value in flops.items() if name.startswith("target")) / (peak * MFU)
+    draft = sum(value for name, value in flops.items() if name.startswith("draft")) / (peak * DRAFT_MFU)
+    seconds = {"compute": target + draft}
+    network = {}
     for name, sent in memory.traffic.items():
         link = _link(memory.groups[name], layout, gpu)
         seconds[name] = sum(sent * share / (gbs * 1e9) for share, gbs in link if share)
-    return StepTime(flops, seconds, memory)
+        network[name] = sum(sent * share / (gbs * 1e9) for share, gbs in link if share and gbs == gpu.network_gbs)
+    return StepTime(flops, seconds, memory, network, target, int(text.num_hidden_layers))
 
 
 def fastest_fitting(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime | None:
@@ -183,7 +222,7 @@ def fastest_fitting(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> Step
 
 
 def _preference(timed: StepTime) -> tuple[int, float, float]:
-    return round(timed.tokens_per_s), -timed.communication_s, timed.memory.headroom
+    return round(timed.tokens_per_s()), -timed.communication_s, timed.memory.headroom
 
 
-__all__ = ["GPU", "GPUS", "MFU", "StepTime", "fastest_fitting", "micro_batch_flops", "step_time"]
+__all__ = ["DRAFT_MFU", "GPU", "GPUS", "MFU", "StepTime", "fastest_fitting", "micro_batch_flops", "step_time"]

@@ -17,7 +17,7 @@ from nemo_automodel_ext.planning.calibration import (
     run_draft_step,
 )
 from nemo_automodel_ext.planning.memory_model import Layout, model_counts
-from nemo_automodel_ext.planning.step_time import GPUS, fastest_fitting, micro_batch_flops, step_time
+from nemo_automodel_ext.planning.step_time import DRAFT_MFU, GPUS, MFU, fastest_fitting, micro_batch_flops, step_time
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_target_and_draft_flops_match_the_flop_counter(calibration):
             assert 0.90 * measured <= modelled <= measured
 
 
-@pytest.mark.parametrize(("name", "preset", "gpus"), [("h200_4node", "H200", 32), ("h100_8node", "H100", 64)])
+@pytest.mark.parametrize(("name", "preset", "gpus"), [("h200_4node", "H200", 32), ("h100_8node_cp", "H100", 64)])
 def test_the_shipped_recipes_are_the_fastest_layouts_that_fit_their_gpus(name, preset, gpus):
     from nemo_automodel.components.config.loader import load_yaml_config
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
@@ -70,7 +70,7 @@ def test_the_shipped_recipes_are_the_fastest_layouts_that_fit_their_gpus(name, p
     text = DeepseekV41TextConfig()
     counts = model_counts(text)
     gpu = GPUS[preset]
-    cfg = load_yaml_config(str(REPO / "recipes" / "deepseek_v41" / f"dspark_flash_{name}_cp.yaml"))
+    cfg = load_yaml_config(str(REPO / "recipes" / "deepseek_v41" / f"dspark_flash_{name}.yaml"))
     args = validate_recipe_config(cfg, gpus, "cuda", require_packages=False)
     shipped = layout_from_config(cfg, args, gpus, gpu.memory_gib)
     best = fastest_fitting(counts, Layout(gpus, gpu.memory_gib, gpus, 1, 1, 65536, 2048), gpu, text)
@@ -80,7 +80,19 @@ def test_the_shipped_recipes_are_the_fastest_layouts_that_fit_their_gpus(name, p
         shipped.draft_ep,
     )
     timed = step_time(counts, shipped, gpu, text)
-    assert timed.tokens_per_s == pytest.approx(best.tokens_per_s)
-    # Tokens a second a GPU: the row's tokens over its CP group, over the slower of compute and communication.
-    assert timed.tokens_per_s == pytest.approx(65536 / shipped.cp / max(timed.compute_s, timed.communication_s))
-    assert timed.compute_s == pytest.approx(sum(timed.flops.values()) / (gpu.bf16_tflops * 1e12 * 0.40))
+    assert timed.tokens_per_s() == pytest.approx(best.tokens_per_s())
+    # Tokens a second a GPU: the row's tokens over its CP group, over compute plus every transfer (no overlap);
+    # full overlap and the network alone are faster bounds.
+    assert timed.tokens_per_s() == pytest.approx(65536 / shipped.cp / (timed.compute_s + timed.communication_s))
+    assert timed.tokens_per_s(timed.overlapped_s) == pytest.approx(
+        65536 / shipped.cp / max(timed.compute_s, timed.communication_s)
+    )
+    assert timed.network_s <= timed.communication_s and timed.tokens_per_s(timed.network_s) > timed.tokens_per_s()
+    # The target's FLOPs at the assumed MFU, the draft's at the measured one.
+    target = sum(v for k, v in timed.flops.items() if k.startswith("target")) / (gpu.bf16_tflops * 1e12 * MFU)
+    draft = sum(v for k, v in timed.flops.items() if k.startswith("draft")) / (gpu.bf16_tflops * 1e12 * DRAFT_MFU)
+    assert timed.compute_s == pytest.approx(target + draft) and timed.target_compute_s == pytest.approx(target)
+    gather, compute = timed.gather_budget
+    assert gather == pytest.approx(timed.seconds["target FSDP all-gather"] / 40) and compute == pytest.approx(
+        target / 40
+    )

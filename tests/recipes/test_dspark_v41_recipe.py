@@ -30,7 +30,7 @@ RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 # Ranks and device each recipe is written for.
 LAUNCH = {
     "dspark_tiny_cpu.yaml": (1, "cpu"),
-    "dspark_flash_h200_4node_cp.yaml": (32, "cuda"),
+    "dspark_flash_h200_4node.yaml": (32, "cuda"),
     "dspark_flash_h100_8node_cp.yaml": (64, "cuda"),
 }
 
@@ -182,7 +182,7 @@ def test_cp_needs_packing():
 
 
 def test_hybridep_without_its_package_is_refused(monkeypatch):
-    cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node_cp.yaml")
+    cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node.yaml")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a, **k: None)
     with pytest.raises(ValueError, match="HybridEP package"):
         validate_recipe_config(cfg, 32, "cuda")

@@ -83,30 +83,34 @@ class WindowedDSparkAttention(_DeepseekV41DSparkAttention):
         window_bias = torch.zeros(windows.window_valid.shape, device=keys.device).masked_fill_(
             ~windows.window_valid, float("-inf")
         )
-        sink = self.sinks_param(query).float().view(1, 1, heads, 1, 1)
+        sink = self.sinks_param(query).float().view(1, 1, 1, heads, 1)
         bias = torch.cat(
             (
-                window_bias.view(batch, anchors, 1, 1, window).expand(-1, -1, heads, block, -1),
-                window_bias.new_zeros(1, 1, 1, 1, block).expand(batch, anchors, heads, block, -1),
-                sink.expand(batch, anchors, -1, block, -1),
+                window_bias.view(batch, anchors, 1, 1, window).expand(-1, -1, block, heads, -1),
+                window_bias.new_zeros(1, 1, 1, 1, block).expand(batch, anchors, block, heads, -1),
+                sink.expand(batch, anchors, block, -1, -1),
             ),
             dim=-1,
-        )  # [batch, anchors, heads, block, window + block + 1]
-        queries = query.view(batch, anchors, block, heads, head_dim).transpose(2, 3)  # [b, anchors, heads, block, d]
+        )  # [batch, anchors, block, heads, window + block + 1]
+        queries = query.view(batch, anchors, block, heads, head_dim)
         if self.backend.attn == "sdpa":
+            # One KV head: the block's heads x block query rows are one head's rows against the block's keys.
+            # SDPA's math path (the one CUDA takes here: head_dim 512 is beyond flash attention) would broadcast
+            # a [anchors, 1, keys, head_dim] key to every head for its matmuls and their gradients: 55 MB an
+            # anchor at Flash widths instead of 22 (docs/gpu_check.md). Folded, the keys are never copied.
             attended = F.scaled_dot_product_attention(
-                queries.flatten(0, 1),
+                queries.view(batch * anchors, 1, block * heads, head_dim),
                 keys.flatten(0, 1).unsqueeze(1),
                 keys.flatten(0, 1).unsqueeze(1),
-                attn_mask=bias.flatten(0, 1),
+                attn_mask=bias.view(batch * anchors, 1, block * heads, -1),
                 dropout_p=self.attention_dropout if self.training else 0.0,
                 scale=head_dim**-0.5,
-            ).view(batch, anchors, heads, block, head_dim)
+            )
         else:
-            logits = torch.einsum("bahqd,batd->bahqt", queries.float(), keys.float()) * head_dim**-0.5
+            logits = torch.einsum("baqhd,batd->baqht", queries.float(), keys.float()) * head_dim**-0.5
             probabilities = F.dropout((logits + bias).softmax(dim=-1), p=self.attention_dropout, training=self.training)
-            attended = torch.einsum("bahqt,batd->bahqd", probabilities, keys.float()).to(query.dtype)
-        attended = attended.transpose(2, 3).reshape(batch, draft_sequence, heads, head_dim)
+            attended = torch.einsum("baqht,batd->baqhd", probabilities, keys.float()).to(query.dtype)
+        attended = attended.reshape(batch, draft_sequence, heads, head_dim)
         valid_tokens = torch.ones(batch, draft_sequence, dtype=torch.bool, device=hidden_states.device)
         return self._project_output(attended, draft_angles, valid_tokens)
 

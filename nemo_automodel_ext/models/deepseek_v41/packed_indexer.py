@@ -17,12 +17,12 @@ documents all but 1/N of that work and memory is thrown away.
    rows, each against its own band of keys (TileLang ``indexer_scores`` on CUDA, the torch path on
    CPU: the same code, so the same scores where they are read), positions shifted by the band's
    start, and selects with ``selection.segmented_select`` (vectorised over documents, ties to the
-   lower index). Tiles are stacked while their pairs stay within ``BAND_ELEMENTS``: a row of short
+   lower index). Tiles are stacked while their pairs stay within ``band_elements``: a row of short
    documents is one call per layer, so the kernels launched do not grow with the tiles either.
 
 Candidate blocks of a candidate-source layer stay per band (``BandedCandidates``) and are read by
 the later layers on the same bands: nothing of width ``global_compressed`` per query is kept. One
-long document scores at most what it did, ``BAND_ELEMENTS`` pairs (or one tile) at a time; rows where a
+long document scores at most what it did, ``band_elements`` pairs (or one tile) at a time; rows where a
 document's keys are not one contiguous run (never for the plugin's layouts) use one band over the
 whole row. Unpacked input (``packed_seq_ids=None``) runs upstream's forward unchanged.
 
@@ -46,11 +46,23 @@ from nemo_automodel_ext.models.deepseek_v41.selection import segmented_select
 MAX_TILES = 32
 #: Queries per tile at least (rows of up to MIN_TILE queries are one tile).
 MIN_TILE = 256
-#: Query-key pairs scored by one call of upstream's forward at most (tiles are stacked as its batch
-#: rows until their bands reach it): BF16 scores of 8 MiB, three boolean masks and the selection's
-#: int64 ranking keys. On CPU larger calls were slower (benchmarks/indexer_band.py: 2^22 1.37 s,
-#: 2^24 1.99 s at 64k rows); on a GPU larger calls launch fewer kernels (benchmarks/gpu_capture.py).
-BAND_ELEMENTS = 1 << 22
+#: Query-key pairs scored by one call of upstream's forward at most, by device type (tiles are stacked
+#: as its batch rows until their bands reach it): at 2^22, BF16 scores of 8 MiB, three boolean masks and
+#: the selection's int64 ranking keys. On CPU larger calls were slower (benchmarks/indexer_band.py:
+#: 2^22 1.37 s, 2^24 1.99 s at 64k rows). On an H200 they were faster (make gpu-check, docs/gpu_check.md:
+#: one ratio-1 layer of a 64k row of 256 documents, 140 ms at 2^22, 48 ms at 2^24, 35 ms at 2^26, peak
+#: 1.39 GiB; upstream 308 ms and 60 GiB).
+BAND_ELEMENTS_BY_DEVICE = {"cpu": 1 << 22, "cuda": 1 << 26}
+#: An int here overrides ``BAND_ELEMENTS_BY_DEVICE`` on every device (the tests and benchmarks set it).
+BAND_ELEMENTS: int | None = None
+
+
+def band_elements(device: torch.device | str) -> int:
+    """Query-key pairs one call scores at most on ``device``: ``BAND_ELEMENTS``, else the device type's default."""
+    if BAND_ELEMENTS is not None:
+        return BAND_ELEMENTS
+    return BAND_ELEMENTS_BY_DEVICE.get(torch.device(device).type, BAND_ELEMENTS_BY_DEVICE["cpu"])
+
 
 State = upstream_attention.DeepseekV41AttentionState
 
@@ -109,12 +121,12 @@ class BandedCandidates:
         return out
 
 
-def _groups(tiles: tuple[tuple[int, int, int, int], ...], tile: int) -> tuple[tuple[int, int, int], ...]:
-    """Consecutive tiles stacked while ``tiles x tile x widest band`` stays within ``BAND_ELEMENTS``."""
+def _groups(tiles: tuple[tuple[int, int, int, int], ...], tile: int, budget: int) -> tuple[tuple[int, int, int], ...]:
+    """Consecutive tiles stacked while ``tiles x tile x widest band`` stays within ``budget`` (``band_elements``)."""
     groups, first, keys = [], 0, 0
     for index, (_, _, low, high) in enumerate(tiles):
         widest = max(keys, high - low)
-        if index > first and (index - first + 1) * tile * widest > BAND_ELEMENTS:
+        if index > first and (index - first + 1) * tile * widest > budget:
             groups.append((first, index, keys))
             first, widest = index, high - low
         keys = widest
@@ -183,7 +195,7 @@ def indexer_bands(
     tiles = tuple(
         (index * tile, min((index + 1) * tile, queries), values[index], values[count + index]) for index in range(count)
     )
-    return IndexerBands(tiles, width, tile, _groups(tiles, tile), low, high)
+    return IndexerBands(tiles, width, tile, _groups(tiles, tile, band_elements(device)), low, high)
 
 
 class _UpstreamView:

@@ -356,3 +356,45 @@ def test_activation_checkpointing_wraps_the_layers_and_keeps_loss_keys_and_grads
         losses.append(loss.detach())
     torch.testing.assert_close(losses[0], losses[1])
     _assert_same_grads(wrapped, plain)
+
+
+def test_sdpa_never_broadcasts_the_single_kv_head_to_every_head():
+    """Under SDPA's math kernel (CUDA's for the released head_dim of 512), no tensor of the draft's forward and
+    backward is as large as the block's keys copied to every head, [anchors, heads, keys, head_dim]: the
+    broadcast that made the Flash draft step 1.78x its calibration at 256 anchors on an H200."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    # Flash's 64 heads to a single KV head; the tiny widths elsewhere.
+    options = released_draft_options(tiny_target_config(num_attention_heads=64).text_config, ANCHORS)
+    draft = DeepseekV41PackedDSparkModel.from_options(options, backend=_backend("sdpa"))
+    attention = next(m for m in draft.modules() if type(m).__name__ == "WindowedDSparkAttention")
+    input_ids, features, loss_mask, last = _inputs(3, sequence=256, batch=1)
+    anchors = torch.linspace(16, 248, ANCHORS).long().unsqueeze(0)
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for value in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(value, torch.Tensor):
+                    self.largest = max(self.largest, value.untyped_storage().nbytes() // value.element_size())
+            return result
+
+    keys = draft.config.sliding_window + draft.config.dspark_block_size + 1
+    broadcast = ANCHORS * attention.num_heads * keys * attention.head_dim
+    mode = Largest()
+    handles = [  # the attention's forward under the mode (hooks returning None leave its inputs and output)
+        attention.register_forward_pre_hook(lambda *_: [mode.__enter__(), None][1]),
+        attention.register_forward_hook(lambda *_: [mode.__exit__(None, None, None), None][1]),
+    ]
+    with sdpa_kernel([SDPBackend.MATH]):
+        out = draft(input_ids, features, loss_mask, last, anchor_positions=anchors)
+        for handle in handles:
+            handle.remove()
+        with mode:
+            _loss(out).backward()
+    assert 0 < mode.largest < broadcast / 2, (mode.largest, broadcast)  # unfolded: exactly the broadcast

@@ -227,7 +227,9 @@ def test_one_long_document_scores_no_more_than_the_whole_row(monkeypatch):
     monkeypatch.undo()
     bands = indexer_bands(positions, ids, ids[:, ::2], compression_ratio=2)  # the default budget
     assert bands.scored <= 4096 * 2048
-    assert all((last - first) * bands.tile * keys <= packed_indexer.BAND_ELEMENTS for first, last, keys in bands.groups)
+    budget = packed_indexer.band_elements("cpu")
+    assert budget == 1 << 22 and packed_indexer.band_elements("cuda") == 1 << 26
+    assert all((last - first) * bands.tile * keys <= budget for first, last, keys in bands.groups)
     # Where the whole row does not fit one call, tiles go one by one: the causal triangle only.
     monkeypatch.setattr(packed_indexer, "BAND_ELEMENTS", 256 * 2048)
     bands = indexer_bands(positions, ids, ids[:, ::2], compression_ratio=2)
