@@ -175,6 +175,22 @@ def test_packed_windowed_equals_a_dense_document_masked_reference(attn, monkeypa
     _assert_same_grads(mine, reference)
 
 
+class LargestAllocation(TorchDispatchMode):
+    """Largest storage (in elements) that an op output owns; views of ``inputs`` do not count."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs = {tensor.untyped_storage().data_ptr() for tensor in inputs}
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for value in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.inputs:
+                self.largest = max(self.largest, value.untyped_storage().nbytes() // value.element_size())
+        return result
+
+
 def test_no_tensor_grows_with_the_row_at_fixed_anchors(monkeypatch):
     """No allocation is sized [queries, row]: the largest one is the same at rows of 256 and 4096."""
     from nemo_automodel.components.moe import experts
@@ -184,21 +200,6 @@ def test_no_tensor_grows_with_the_row_at_fixed_anchors(monkeypatch):
     monkeypatch.setattr(experts, "swiglu_clamped_deepep", eager)
     torch.manual_seed(0)
     draft = DeepseekV41PackedDSparkModel.from_options(_options()).eval()
-
-    class LargestAllocation(TorchDispatchMode):
-        """Largest storage (in elements) that an op output owns; views of inputs do not count."""
-
-        def __init__(self, inputs):
-            super().__init__()
-            self.inputs = {tensor.untyped_storage().data_ptr() for tensor in inputs}
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            for value in result if isinstance(result, (tuple, list)) else (result,):
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() not in self.inputs:
-                    self.largest = max(self.largest, value.untyped_storage().nbytes() // value.element_size())
-            return result
 
     largest = {}
     for sequence in (256, 4096):
@@ -372,25 +373,17 @@ def test_sdpa_never_broadcasts_the_single_kv_head_to_every_head():
     input_ids, features, loss_mask, last = _inputs(3, sequence=256, batch=1)
     anchors = torch.linspace(16, 248, ANCHORS).long().unsqueeze(0)
 
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            for value in result if isinstance(result, (tuple, list)) else (result,):
-                if isinstance(value, torch.Tensor):
-                    self.largest = max(self.largest, value.untyped_storage().nbytes() // value.element_size())
-            return result
-
     keys = draft.config.sliding_window + draft.config.dspark_block_size + 1
     broadcast = ANCHORS * attention.num_heads * keys * attention.head_dim
-    mode = Largest()
-    handles = [  # the attention's forward under the mode (hooks returning None leave its inputs and output)
-        attention.register_forward_pre_hook(lambda *_: [mode.__enter__(), None][1]),
-        attention.register_forward_hook(lambda *_: [mode.__exit__(None, None, None), None][1]),
-    ]
+    mode = LargestAllocation(())
+
+    def enter(*_):  # the attention's forward under the mode; returning None leaves its inputs and output
+        mode.__enter__()
+
+    def leave(*_):
+        mode.__exit__(None, None, None)
+
+    handles = [attention.register_forward_pre_hook(enter), attention.register_forward_hook(leave)]
     with sdpa_kernel([SDPBackend.MATH]):
         out = draft(input_ids, features, loss_mask, last, anchor_positions=anchors)
         for handle in handles:
