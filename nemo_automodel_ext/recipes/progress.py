@@ -7,7 +7,7 @@ since this process started training, evaluations excluded; the recipe's running 
 term) to ``metrics.jsonl``, keeps upstream's own ``dspark_train_metrics.jsonl``, and
 logs ``step N/T | loss | ... | tokens/s | ETA``: the run's one line per logged step
 (``quiet_upstream_step_lines`` drops upstream's duplicate line, the recipe drops its tqdm bar).
-Validation results (``log_eval``) are records with ``"split": "val"``.
+Validation results (``log_eval``) are records with ``"split": "val"``, the counters and ``train_s`` of that point.
 """
 
 from __future__ import annotations
@@ -99,8 +99,11 @@ class ProgressMetricLogger:
         self._excluded += seconds
 
     def log_eval(self, step: int, epoch: int, metrics: dict[str, Any]) -> None:
-        """Record validation metrics at ``step`` as one ``"split": "val"`` record."""
+        """Record validation metrics at ``step`` as one ``"split": "val"`` record, with the run's counters and
+        ``train_s`` at that point (a curve of tau against training time or tokens needs no step record)."""
         record = {"step": int(step), "epoch": int(epoch), "split": "val"}
+        record.update({key: int(value) for key, value in self.counters().items()})
+        record["train_s"] = time.perf_counter() - self._start - self._excluded
         record.update({key: float(value) for key, value in metrics.items() if _is_number(value)})
         self._file.write(json.dumps(record) + "\n")
 

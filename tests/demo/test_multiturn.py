@@ -6,7 +6,7 @@ import json
 import random
 
 from nemo_automodel_ext.demo.demo_target import load_demo_target
-from nemo_automodel_ext.demo.multiturn import MAX_TURNS, ensure_multiturn_mix, turns
+from nemo_automodel_ext.demo.multiturn import LONG_TAILED, MAX_TURNS, ensure_multiturn_mix, turns
 from nemo_automodel_ext.demo.tiny_assets import regenerate
 from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, held_out
 
@@ -16,6 +16,14 @@ def test_turns_are_lognormal_with_a_long_bounded_tail():
     assert min(drawn) == 1 and max(drawn) == MAX_TURNS
     median = sorted(drawn)[len(drawn) // 2]
     assert median == 3 and sum(d >= 8 for d in drawn) / len(drawn) > 0.1  # a tail of long conversations
+
+
+def test_the_long_tailed_mix_reaches_the_row():
+    """``LONG_TAILED``: a median of 9 exchanges (about 200 tokens), 1% or more at 60+ (over 1,300 tokens: a few
+    conversations near the 2,048-token row), bounded by ``max_turns``."""
+    drawn = [turns(random.Random(seed), LONG_TAILED) for seed in range(4000)]
+    assert sorted(drawn)[len(drawn) // 2] == 9 and max(drawn) == LONG_TAILED.max_turns
+    assert 0.01 <= sum(d >= 60 for d in drawn) / len(drawn) <= 0.05
 
 
 def test_validation_prompts_are_held_out_and_every_answer_is_the_target_s(tmp_path):

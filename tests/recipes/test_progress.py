@@ -51,10 +51,26 @@ def test_resume_survives_a_partial_last_line(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
-def test_validation_records_are_marked(tmp_path):
-    logger = ProgressMetricLogger(tmp_path / "metrics.jsonl", 10, lambda: {"tokens": 0})
+def test_validation_records_are_marked_with_counters_and_training_seconds(tmp_path, monkeypatch):
+    """A val record carries the run's counters and ``train_s`` (evaluations left out) of its point: a curve of tau
+    against training seconds or tokens needs no step record at that step."""
+    clock = [100.0]
+    monkeypatch.setattr("nemo_automodel_ext.recipes.progress.time.perf_counter", lambda: clock[0])
+    logger = ProgressMetricLogger(tmp_path / "metrics.jsonl", 10, lambda: {"tokens": 7, "documents": 2})
+    clock[0] = 103.0
     logger.log(_sample(1, 0.5))
+    clock[0] = 108.0  # 5 s, of which an evaluation took 4
+    logger.exclude(4.0)
     logger.log_eval(1, 0, {"greedy_tau": 2.5, "note": "x"})
     logger.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert records[1] == {"step": 1, "epoch": 0, "split": "val", "greedy_tau": 2.5}
+    assert records[0]["train_s"] == 3.0
+    assert records[1] == {
+        "step": 1,
+        "epoch": 0,
+        "split": "val",
+        "tokens": 7,
+        "documents": 2,
+        "train_s": 4.0,
+        "greedy_tau": 2.5,
+    }

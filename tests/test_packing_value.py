@@ -1,0 +1,107 @@
+"""``make compare``: its statistics and goals, its splits, and that the published numbers are the stored ones."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import packing_report  # noqa: E402
+import packing_value  # noqa: E402
+
+
+def run(points, lr=1e-2, seed=42, dev=2.0, **counters):
+    base = {"train_s": points[-1][0], "captured_tokens": 100, "tokens": 80, "documents": 10, "supervised_slots": 50}
+    return {"points": points, "lr": lr, "seed": seed, "dev_tau": dev, "step": 10, **base, **counters}
+
+
+def test_curve_reading():
+    points = [(0.0, 0, 1.0), (10.0, 5, 2.0), (20.0, 9, 3.0)]
+    assert packing_report.at(points, 5.0) == 1.5
+    assert packing_report.at(points, 99.0) == 3.0  # after the end: the final tau
+    assert packing_report.first_reaching(points, 2.5) == 15.0
+    assert packing_report.first_reaching(points, 3.5) is None
+    assert packing_report.mean_sd([1.0, 2.0, 3.0]) == (2.0, 1.0)  # sd with n - 1
+
+
+def test_against_is_seed_by_seed_at_the_shorter_runs_end():
+    packed = [run([(0.0, 0, 1.0), (10.0, 0, 3.0)]), run([(0.0, 0, 1.0), (10.0, 0, 2.0)])]
+    baseline = [run([(0.0, 0, 1.0), (20.0, 0, 2.0)]), run([(0.0, 0, 1.0), (20.0, 0, 2.0)])]
+    row = packing_report.against(packed, baseline)
+    # seed 0: at 10 s packed 3.0, baseline 1.5; seed 1: 2.0 against 1.5
+    assert row["gap"] == pytest.approx((1.0, 0.7071067811865476))
+    # packed reaches the baseline's final 2.0 at 5 s and 10 s of the baseline's 20
+    assert row["ratio"] == pytest.approx((0.375, 0.1767766952966369))
+    never = packing_report.against(packed, [run([(0.0, 0, 1.0), (20.0, 0, 9.0)])] * 2)
+    assert never["ratio"] is None
+
+
+def synthetic(gap: float, mixes=("demo",)) -> dict:
+    """Results of two seeds a batching in which packed leads every baseline by ``gap`` at every point."""
+
+    def entry(lift: float) -> dict:
+        seeds = [run([(0.0, 0, 1.0), (10.0, 0, 2.0 + lift + 0.01 * s)], seed=42 + s) for s in range(2)]
+        grid = [run(seeds[0]["points"], lr=lr, dev=dev) for lr, dev in ((5e-3, 2.0), (1e-2, 2.5), (2e-2, 2.1))]
+        return {"epochs": 3, "epoch_s": None, "lr": 1e-2, "grid": grid, "seeds": seeds}
+
+    mix = {
+        "budget_s": 10.0,
+        "token_budget": 1024,
+        "seeds": [42, 43],
+        "batchings": {name: entry(gap if name == "packed" else 0.0) for name in packing_report.BATCHINGS},
+    }
+    results = {"mode": "quick", "commit": "abc", "machine": "2 cores", "jobs": 2, "wall_s": 60.0, "lr_grid": []}
+    results["mixes"] = {name: mix for name in mixes}
+    return packing_report.finish(results)
+
+
+def test_goals_are_judged_at_mean_minus_sd():
+    ahead = synthetic(0.5)
+    assert ahead["goals"]["not_behind"]["demo"]["met"]
+    assert ahead["goals"]["half_time_on_long_tail"]["met"] is None  # not run: not claimed
+    behind = synthetic(-0.2)
+    assert not behind["goals"]["not_behind"]["demo"]["met"]
+    long_tail = synthetic(3.0, mixes=("demo", packing_report.LONG_TAILED))
+    # packed reaches the baselines' final 2.0x at about a quarter of their time
+    assert long_tail["goals"]["half_time_on_long_tail"]["met"]
+    text = packing_report.render(ahead)
+    assert "| lr 0.005 | lr 0.01 | lr 0.02 |" in text and "**2.50**" in text  # the grid, the chosen rate bold
+    assert "met" in packing_report.readme_block(ahead)
+
+
+def test_runs_are_scored_on_test_in_the_run_and_on_dev_only_at_their_end(tmp_path):
+    data = {name: tmp_path / f"{name}.jsonl" for name in ("train", "test", "dev")}
+    shape = packing_value.Shape(128, 0, 8, 100)
+    job = packing_value.Job("demo", "grouped", 1e-2, 43, 3, shape, data)
+    arguments = packing_value.overrides(job, data["train"])
+    assert f"--recipe_args.val_data_path={data['test']}" in arguments
+    assert not any(str(data["dev"]) in argument for argument in arguments)
+    assert "--recipe_args.shuffle_seed=43" in arguments and "--recipe_args.batching=grouped" in arguments
+    command = packing_value.dev_command(job)
+    assert command[command.index("--data") + 1] == str(data["dev"])
+
+
+def test_every_batching_gets_the_same_token_budget():
+    counted = [20, 30, 40, 12] * 50
+    mix = packing_value.MIXES["demo"]
+    budget = mix.row * mix.rows
+    for batching in packing_report.BATCHINGS:
+        shape = packing_value.shape(batching, mix, counted, 48)
+        rows = shape.micro_batch_size
+        width = shape.packed_sequence_size or shape.seq_length
+        assert budget - 48 < rows * width <= budget if batching == "upstream" else rows * width == budget
+
+
+def test_readme_and_docs_carry_the_stored_results():
+    """README.md's and docs/packing.md's tables are the rendering of docs/compare/packing_value.json."""
+    results = packing_report.load_published()
+    packing_report.check_published(
+        (REPO / "README.md").read_text(), (REPO / "docs" / "packing.md").read_text(), results
+    )
+    with pytest.raises(ValueError, match="README.md's packing-value block"):
+        edited = dict(results, commit="0000000")
+        packing_report.check_published((REPO / "README.md").read_text(), "", edited)
