@@ -19,9 +19,9 @@ FLOPs (``micro_batch_flops``), counted as multiply-adds x 2:
 
 - target forward (no grad), per local token: every matrix a token meets (``ModelCounts.target_active``),
   sparse attention over ``sliding_window`` keys plus ``index_topk`` compressed keys in compressed layers
-  (QK and PV: 4 x heads x head_dim a key), and the indexer's scores over every visible compressed key in each
-  index-source layer (2 x index_heads x index_head_dim a key; one document filling the row, as the memory
-  model counts);
+  (QK and PV: 4 x heads x head_dim a key), and the indexer's scores over every visible compressed key of the
+  query's own document in each index-source layer (2 x index_heads x index_head_dim a key; ``documents``
+  gives a micro-batch's document lengths, else one document fills the row, as the memory model counts);
 - draft step, per draft token (anchors x block): the layers' active matrices 8 times (forward 2, backward 4,
   the checkpointed recompute 2), the frozen head 4 (forward and its input gradient), windowed attention over
   ``window + block`` keys 4 times; per feature column, the projection 4 (forward and weight gradient).
@@ -34,6 +34,7 @@ FLOPs (``micro_batch_flops``), counted as multiply-adds x 2:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from nemo_automodel_ext.planning.memory_model import (
     Estimate,
@@ -135,21 +136,49 @@ class StepTime:
         return self.seconds["target FSDP all-gather"] / layers, self.target_compute_s / layers
 
 
-def micro_batch_flops(counts: ModelCounts, layout: Layout, text) -> dict[str, float]:
+def mean_prefix(layout: Layout, documents: Sequence[int] | None = None) -> float:
+    """Tokens before a row token in its own document, averaged over the micro-batch (d / 2 in a document of d).
+
+    Args:
+        layout: The layout (``rows x row_tokens`` tokens a micro-batch).
+        documents: Tokens of every document of the micro-batch's rows, a row's padding folded into its
+            last document (upstream's packing), summing to ``rows x row_tokens``; None: one document fills
+            each row (``row_tokens / 2``, the most).
+
+    Raises:
+        ValueError: when ``documents`` has a non-positive entry or does not sum to ``rows x row_tokens``.
+    """
+    total = layout.rows * layout.row_tokens
+    if documents is None:
+        return layout.row_tokens / 2
+    if any(int(d) < 1 for d in documents) or sum(int(d) for d in documents) != total:
+        raise ValueError(
+            f"documents must be positive lengths summing to rows x row_tokens = {total}, "
+            f"got {len(documents)} summing to {sum(int(d) for d in documents)}"
+        )
+    return sum(int(d) ** 2 for d in documents) / 2 / total
+
+
+def micro_batch_flops(
+    counts: ModelCounts, layout: Layout, text, documents: Sequence[int] | None = None
+) -> dict[str, float]:
     """FLOPs one GPU runs for one micro-batch, by part (see the module docstring).
 
     Args:
         counts: ``model_counts`` of the target and draft.
         layout: The layout.
         text: The target's ``DeepseekV41TextConfig`` (attention and indexer widths).
+        documents: The micro-batch's document lengths (``mean_prefix``): the indexer scores a query against
+            its own document's compressed keys only (``packed_indexer.py``); None: one document a row.
     """
     w = counts.widths
     layers = int(text.num_hidden_layers)
     ratios = list(text.compress_ratios[:layers])
     local = layout.rows * layout.row_tokens / layout.cp
     attention_keys = sum(w["window"] + (int(text.index_topk) if ratio else 0) for ratio in ratios)
-    # A query at position p sees p / ratio compressed keys: p / 2 on average over one document filling the row.
-    indexer_keys = sum(layout.row_tokens / 2 / ratios[i] for i in text.index_source_layer_ids if i < layers)
+    # A query p tokens into its document sees p / ratio compressed keys.
+    prefix = mean_prefix(layout, documents)
+    indexer_keys = sum(prefix / ratios[i] for i in text.index_source_layer_ids if i < layers)
     draft_tokens = layout.rows * rank_anchors(layout) * w["block"]
     columns = layout.rows * rank_feature_columns(layout, w)
     return {
@@ -182,10 +211,11 @@ def _link(group: str, layout: Layout, gpu: GPU) -> list[tuple[float, float]]:
     return [(1.0, gpu.nvlink_gbs if layout.gpus <= gpu.per_node else gpu.network_gbs)]
 
 
-def step_time(counts: ModelCounts, layout: Layout, gpu: GPU, text) -> StepTime:
-    """Seconds and tokens/s a GPU of one micro-batch of ``layout`` on ``gpu`` (see the module docstring)."""
+def step_time(counts: ModelCounts, layout: Layout, gpu: GPU, text, documents: Sequence[int] | None = None) -> StepTime:
+    """Seconds and tokens/s a GPU of one micro-batch of ``layout`` on ``gpu`` (see the module docstring);
+    ``documents`` as in ``micro_batch_flops``."""
     memory = estimate(counts, layout)
-    flops = micro_batch_flops(counts, layout, text)
+    flops = micro_batch_flops(counts, layout, text, documents)
     peak = gpu.bf16_tflops * 1e12
     target = sum(value for name, value in flops.items() if name.startswith("target")) / (peak * MFU)
     draft = sum(value for name, value in flops.items() if name.startswith("draft")) / (peak * DRAFT_MFU)
@@ -225,4 +255,14 @@ def _preference(timed: StepTime) -> tuple[int, float, float]:
     return round(timed.tokens_per_s()), -timed.communication_s, timed.memory.headroom
 
 
-__all__ = ["DRAFT_MFU", "GPU", "GPUS", "MFU", "StepTime", "fastest_fitting", "micro_batch_flops", "step_time"]
+__all__ = [
+    "DRAFT_MFU",
+    "GPU",
+    "GPUS",
+    "MFU",
+    "StepTime",
+    "fastest_fitting",
+    "mean_prefix",
+    "micro_batch_flops",
+    "step_time",
+]
