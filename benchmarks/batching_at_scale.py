@@ -247,7 +247,8 @@ def case_costs(mix_name: str, gpu_name: str, nodes: int, recipe: str) -> tuple[l
     from nemo_automodel.components.config.loader import load_yaml_config
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
-    from nemo_automodel_ext.planning.memory_model import layout_from_config, model_counts
+    from nemo_automodel_ext.planning.layouts import layout_from_config
+    from nemo_automodel_ext.planning.memory_model import model_counts
     from nemo_automodel_ext.planning.step_time import GPUS
     from nemo_automodel_ext.run.config import validate_recipe_config
 

@@ -42,7 +42,8 @@ def main() -> None:
     from nemo_automodel.components.config.loader import load_yaml_config
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
-    from nemo_automodel_ext.planning.memory_model import GIB, estimate, indexer_bytes, layout_from_config, model_counts
+    from nemo_automodel_ext.planning.layouts import layout_from_config
+    from nemo_automodel_ext.planning.memory_model import GIB, estimate, indexer_bytes, model_counts
     from nemo_automodel_ext.run.config import validate_recipe_config
     from nemo_automodel_ext.run.loading import target_text_config
 

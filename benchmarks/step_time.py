@@ -29,7 +29,8 @@ def main() -> None:
     from nemo_automodel.components.config.loader import load_yaml_config
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
-    from nemo_automodel_ext.planning.memory_model import GIB, Layout, layout_from_config, model_counts
+    from nemo_automodel_ext.planning.layouts import layout_from_config
+    from nemo_automodel_ext.planning.memory_model import GIB, Layout, model_counts
     from nemo_automodel_ext.planning.step_time import DRAFT_MFU, GPUS, MFU, fastest_fitting, step_time
     from nemo_automodel_ext.run.config import validate_recipe_config
 

@@ -54,14 +54,10 @@ def check_layout_memory(cfg: Any, args: dict[str, Any], path: str, world_size: i
     not scale to it; a warning says so and names the command that would measure it.
 
     Raises:
-        ValueError: the per-GPU estimate and the nearest layout that fits (``memory_model``).
+        ValueError: the per-GPU estimate and the nearest layout that fits (``planning/layouts.py``).
     """
-    from nemo_automodel_ext.planning.memory_model import (
-        Calibration,
-        check_layout_fits,
-        layout_from_config,
-        model_counts,
-    )
+    from nemo_automodel_ext.planning.layouts import check_layout_fits, layout_from_config
+    from nemo_automodel_ext.planning.memory_model import Calibration, model_counts
     from nemo_automodel_ext.run.loading import target_text_config
 
     counts = model_counts(target_text_config(path), int(args["num_anchors"]))

@@ -14,13 +14,12 @@ from nemo_automodel.components.models.deepseek_v41.engram import DeepseekV41Engr
 from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target_config
+from nemo_automodel_ext.planning.layouts import check_layout_fits, layout_from_config
 from nemo_automodel_ext.planning.memory_model import (
     GIB,
     Layout,
-    check_layout_fits,
     engram_table_parameters,
     estimate,
-    layout_from_config,
     model_counts,
     routed_expert_parameters,
 )

@@ -64,7 +64,7 @@ def test_the_shipped_recipes_are_the_fastest_layouts_that_fit_their_gpus(name, p
     from nemo_automodel.components.config.loader import load_yaml_config
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
-    from nemo_automodel_ext.planning.memory_model import layout_from_config
+    from nemo_automodel_ext.planning.layouts import layout_from_config
     from nemo_automodel_ext.run.config import validate_recipe_config
 
     text = DeepseekV41TextConfig()
