@@ -85,6 +85,7 @@ def layout_from_config(cfg: Any, args: dict[str, Any], world_size: int, gpu_gib:
         strategy=str(get("strategy", "ddp")).lower() if world_size > 1 else "ddp",
         grad_accumulation=int(args["grad_accumulation_steps"]),
         defer_grad_sync=bool(args["defer_fsdp_grad_sync"]),
+        draft_recompute=bool(get("activation_checkpointing", False)),
     )
 
 

@@ -64,6 +64,10 @@ class Layout:
             (``recipe_args.draft_ep_dispatcher``): ``all_to_all`` sends each routed pair to its
             expert's rank and back; ``all_gather`` (upstream's) gathers the group's tokens and
             all-reduces the fp32 output.
+        draft_recompute: The draft's layers are activation-checkpointed
+            (``distributed.activation_checkpointing``), their MoE included (EP is applied first): each layer's
+            forward, its expert all-to-all with it, runs again in backward. The calibration measured the draft
+            step checkpointed, so ``estimate`` refuses False.
     """
 
     gpus: int
@@ -79,6 +83,7 @@ class Layout:
     defer_grad_sync: bool = False
     draft_ep: int = 1
     draft_ep_dispatch: str = "all_to_all"
+    draft_recompute: bool = True
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,12 @@ def indexer_bytes(
     return rows * (5 * tile * band + local * band) + 8 * min(CHUNK_ELEMENTS, rows * tile * band)
 
 
+def draft_ep_passes(layout: Layout) -> int:
+    """Times a draft layer's tokens cross its expert-parallel group a step: forward, backward, and the forward
+    again in backward when the layer is checkpointed (``draft_recompute``)."""
+    return 3 if layout.draft_recompute else 2
+
+
 def rank_anchors(layout: Layout) -> int:
     """Anchors a rank trains a row: ``ceil(anchors_per_row / cp)`` under CP-native training, else all of them."""
     return math.ceil(layout.anchors_per_row / layout.cp) if layout.cp_native else layout.anchors_per_row
@@ -247,6 +258,12 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
     """
     calibration = calibration or Calibration.shipped()
     calibration.require(counts.widths)
+    if not layout.draft_recompute:
+        raise ValueError(
+            "the memory model measured the draft step with activation checkpointing; a layout without it "
+            "(distributed.activation_checkpointing: false) keeps every layer's activations, which nothing here "
+            "measured: set distributed.activation_checkpointing: true"
+        )
     w, g = counts.widths, layout.gpus
     local_tokens = layout.rows * layout.row_tokens / layout.cp
     feature_width = (w["feature_layers"] + 1) * w["hidden"]
@@ -352,13 +369,13 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         # The frozen embedding and head (in the root unit, gathered once a micro-batch and kept: not resharded
         # after forward); the trainable parameters' gathers are counted above, and frozen ones never reduce.
         "draft frozen root gather (FSDP2)": BF16 * counts.draft_frozen * peers if layout.strategy == "fsdp2" else 0,
-        # Per draft layer and pass (forward, recompute, backward). All-to-all: each routed pair's bf16
-        # activations to its expert's rank and its output back, (draft_ep - 1) / draft_ep of them leaving the
-        # rank (the bytes of a pair counted on gloo: tests/models/deepseek_v41/gloo_expert_dispatch.py; the routing
-        # counts and int64 expert ids, 8 bytes a pair, are left out). All-gather: the tokens gathered in bf16 to
-        # draft_ep - 1 peers, the fp32 output
+        # Per draft layer and pass (draft_ep_passes: forward, the checkpointed recompute, backward). All-to-all:
+        # each routed pair's bf16 activations to its expert's rank and its output back, (draft_ep - 1) / draft_ep
+        # of them leaving the rank (the bytes of a pair counted on gloo:
+        # tests/models/deepseek_v41/gloo_expert_dispatch.py; the routing counts and int64 expert ids, 8 bytes a
+        # pair, are left out). All-gather: the tokens gathered in bf16 to draft_ep - 1 peers, the fp32 output
         # [draft_ep x tokens, hidden] all-reduced (ring: 2x).
-        "draft EP dispatch": 3
+        "draft EP dispatch": draft_ep_passes(layout)
         * w["draft_layers"]
         * draft_tokens
         * w["hidden"]
@@ -386,6 +403,7 @@ __all__ = [
     "Layout",
     "ModelCounts",
     "engram_table_parameters",
+    "draft_ep_passes",
     "estimate",
     "model_counts",
     "rank_anchors",

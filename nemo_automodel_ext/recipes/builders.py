@@ -51,7 +51,8 @@ def check_layout_memory(cfg: Any, args: dict[str, Any], path: str, world_size: i
         world_size: Ranks of the run; gpu_gib: memory of one GPU.
 
     A target whose widths differ from the calibration's (V4.1-Flash) is not checked: the measured bytes do
-    not scale to it; a warning says so and names the command that would measure it.
+    not scale to it; a warning says so and names the command that would measure it. Nor is a run whose draft is
+    not activation-checkpointed (the calibration's draft step was).
 
     Raises:
         ValueError: the per-GPU estimate and the nearest layout that fits (``planning/layouts.py``).
@@ -69,7 +70,14 @@ def check_layout_memory(cfg: Any, args: dict[str, Any], path: str, world_size: i
             differ,
         )
         return
-    check_layout_fits(counts, layout_from_config(cfg, args, world_size, gpu_gib))
+    layout = layout_from_config(cfg, args, world_size, gpu_gib)
+    if not layout.draft_recompute:
+        logging.getLogger(__name__).warning(
+            "memory check skipped: the memory model measured the draft step with activation checkpointing and "
+            "this run has distributed.activation_checkpointing off (docs/scaling.md)"
+        )
+        return
+    check_layout_fits(counts, layout)
 
 
 __all__ = ["check_layout_memory", "frozen_target_setup"]

@@ -18,6 +18,7 @@ from nemo_automodel_ext.planning.layouts import check_layout_fits, layout_from_c
 from nemo_automodel_ext.planning.memory_model import (
     GIB,
     Layout,
+    draft_ep_passes,
     engram_table_parameters,
     estimate,
     model_counts,
@@ -216,3 +217,30 @@ def test_deferred_sync_holds_every_trainable_parameter_s_fp32_gradient(flash):
     assert estimate(counts, replace(layout, grad_accumulation=1, defer_grad_sync=True)).memory[key] == 0
     # The deferred recipe would not fit an H200: the reason the plugin does not defer.
     assert not deferred.fits
+
+
+def test_the_draft_s_all_to_all_runs_again_in_its_checkpointed_recompute(flash, tmp_path, caplog):
+    """The recipes checkpoint the draft, its MoE included (EP first): three all-to-all passes a layer, read from
+    ``distributed.activation_checkpointing``. The calibration measured the draft step checkpointed, so a layout
+    without it is refused by the model and skipped, with a warning, by the recipe's check."""
+    text, counts = flash
+    cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node.yaml")
+    gpus, gib = GPU_RECIPES["dspark_flash_h200_4node.yaml"]
+    args = validate_recipe_config(cfg, gpus, "cuda", require_packages=False)
+    layout = layout_from_config(cfg, args, gpus, gib)
+    assert layout.draft_recompute and draft_ep_passes(layout) == 3
+    w = counts.widths
+    pair = 2 * 2 * w["draft_topk"] * (gpus - 1) / gpus  # bf16 there and back, the share leaving the rank
+    tokens = layout.rows * layout.anchors_per_row * w["block"]
+    assert estimate(counts, layout).traffic["draft EP dispatch"] == pytest.approx(
+        3 * w["draft_layers"] * tokens * w["hidden"] * pair
+    )
+    cfg.distributed.activation_checkpointing = False
+    off = layout_from_config(cfg, args, gpus, gib)
+    assert not off.draft_recompute and draft_ep_passes(off) == 2
+    with pytest.raises(ValueError, match="activation_checkpointing: true"):
+        estimate(counts, off)
+    DeepseekV41Config(text_config=text.to_dict(), vision_config={"num_hidden_layers": 0}).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING"):
+        check_layout_memory(cfg, args, str(tmp_path), gpus, gib)
+    assert "activation_checkpointing off" in caplog.text
