@@ -115,28 +115,41 @@ def mix_title(name: str, mix: dict, mode: str) -> str:
     )
 
 
-def batching_table(mix: dict) -> list[str]:
-    lines = [
-        "| batching | lr (dev) | epochs | train s | ms a step | captured tokens | real | supervised slots "
-        "| documents/s | final test tau |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown lines of a table: the first column left-aligned, the others right."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "| --- |" + " ---: |" * (len(header) - 1),
+        *("| " + " | ".join(row) + " |" for row in rows),
     ]
+
+
+def batching_table(mix: dict) -> list[str]:
+    header = "batching, lr (dev), epochs, train s, ms a step, captured tokens, real, supervised slots, documents/s"
+    rows = []
     for name in BATCHINGS:
         entry = mix["batchings"][name]
         bold = "**" if name in ("packed", mix["strongest"]) else ""
-        lines.append(
-            f"| {bold}{name}{bold} | {entry['lr']:g} | {entry['epochs']} | {entry['train_s']:.0f} | "
-            f"{1000 * entry['train_s'] / entry['step']:.0f} | {entry['captured_tokens']:,.0f} | "
-            f"{100 * entry['tokens'] / entry['captured_tokens']:.0f}% | {entry['supervised_slots']:,.0f} | "
-            f"{entry['documents'] / entry['train_s']:.0f} | {pm(entry['final_tau'])} |"
+        rows.append(
+            [
+                f"{bold}{name}{bold}",
+                f"{entry['lr']:g}",
+                f"{entry['epochs']}",
+                f"{entry['train_s']:.0f}",
+                f"{1000 * entry['train_s'] / entry['step']:.0f}",
+                f"{entry['captured_tokens']:,.0f}",
+                f"{100 * entry['tokens'] / entry['captured_tokens']:.0f}%",
+                f"{entry['supervised_slots']:,.0f}",
+                f"{entry['documents'] / entry['train_s']:.0f}",
+                pm(entry["final_tau"]),
+            ]
         )
-    return lines
+    return table([*header.split(", "), "final test tau"], rows)
 
 
 def grid_table(mix: dict) -> list[str]:
     rates = sorted({run["lr"] for entry in mix["batchings"].values() for run in entry["grid"]})
-    lines = ["| dev greedy tau | " + " | ".join(f"lr {rate:g}" for rate in rates) + " |"]
-    lines.append("| --- |" + " ---: |" * len(rates))
+    rows = []
     for name in BATCHINGS:
         entry = mix["batchings"][name]
         scores = {run["lr"]: run["dev_tau"] for run in entry["grid"]}
@@ -144,21 +157,22 @@ def grid_table(mix: dict) -> list[str]:
             "" if rate not in scores else (f"**{scores[rate]:.2f}**" if rate == entry["lr"] else f"{scores[rate]:.2f}")
             for rate in rates
         ]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return lines
+        rows.append([name, *cells])
+    return table(["dev greedy tau", *(f"lr {rate:g}" for rate in rates)], rows)
 
 
 def against_table(mix: dict) -> list[str]:
-    lines = [
-        "| packed against | equal-time greedy tau gap "
-        "| packed's time to the baseline's final tau, over the baseline's time |",
-        "| --- | ---: | ---: |",
-    ]
+    rows = []
     for name in BASELINES:
         row = mix["against"][name]
         label = f"{name} (strongest)" if name == mix["strongest"] else name
-        lines.append(f"| {label} | {pm(row['gap'], 2)} | {pm(row['ratio'], 2)} |")
-    return lines
+        rows.append([label, pm(row["gap"], 2), pm(row["ratio"], 2)])
+    header = [
+        "packed against",
+        "equal-time greedy tau gap",
+        "packed's time to the baseline's final tau, over the baseline's time",
+    ]
+    return table(header, rows)
 
 
 def goal_lines(results: dict) -> list[str]:
@@ -201,18 +215,18 @@ def render(results: dict) -> str:
 
 def readme_block(results: dict) -> str:
     """The README's short form: each mix's final test tau and documents a second per batching, and the goals."""
-    lines = [
-        f"`make compare{' COMPARE_ARGS=--quick' if results['mode'] == 'quick' else ''}` at {results['commit']}, "
-        "mean ± sd over training seeds, greedy tau on the test prompts, learning rates chosen on dev:",
-        "",
-        "| mix | " + " | ".join(BATCHINGS) + " | packed - strongest at equal time |",
-        "| --- |" + " ---: |" * (len(BATCHINGS) + 1),
-    ]
+    rows = []
     for name, mix in results["mixes"].items():
         entries = [mix["batchings"][each] for each in BATCHINGS]
         cells = [f"{pm(entry['final_tau'])} ({entry['documents'] / entry['train_s']:.0f} doc/s)" for entry in entries]
         gap = mix["against"][mix["strongest"]]["gap"]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {pm(gap)} vs {mix['strongest']} |")
+        rows.append([name, *cells, f"{pm(gap)} vs {mix['strongest']}"])
+    lines = [
+        f"`make compare{' COMPARE_ARGS=--quick' if results['mode'] == 'quick' else ''}` at {results['commit']}, "
+        "mean ± sd over training seeds, greedy tau on the test prompts, learning rates chosen on dev:",
+        "",
+        *table(["mix", *BATCHINGS, "packed - strongest at equal time"], rows),
+    ]
     return "\n".join([*lines, "", *goal_lines(results)])
 
 
