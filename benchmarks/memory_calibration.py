@@ -6,7 +6,8 @@ memory; nothing is downloaded).
 What is measured and how is in ``nemo_automodel_ext/planning/calibration.py``: bytes counted at the
 dispatcher (``planning/allocations.py``, independent of the machine's speed) while the plugin's capture
 runs a 5-layer target with one layer of each V4.1 kind, and the released 3-layer draft runs its forward,
-DSpark loss and backward, both at the real Flash widths in bf16. Prints each measured point beside the
+DSpark loss and backward, both at the real Flash widths in bf16 (the draft step also as a timeline of three
+windows: forward, loss, layers' backward). Prints each measured point beside the
 fit (relative error), the fitted coefficients in readable units, and the model's old formula where it had
 one. ``--write`` stores the record as ``nemo_automodel_ext/planning/calibration.json``, which the memory
 model and the recipes' refusal read; ``tests/planning/test_calibration.py`` re-measures its first points.
@@ -50,6 +51,12 @@ def main() -> None:
             f"| {anchors:.0f} | {tokens:.0f} | {measured / 2**20:.1f} | {fitted / 2**20:.1f} | "
             f"{fitted / measured - 1:+.2%} |"
         )
+    windows = [key for key in points if key.startswith("draft ") and key != "draft_step"]
+    print("\n| draft step timeline: anchors | tokens | " + " | ".join(f"{key[6:]} MiB" for key in windows) + " |")
+    print("| ---: | ---: |" + " ---: |" * len(windows))
+    for index, (anchors, tokens, _) in enumerate(points["draft_step"]):
+        cells = " | ".join(f"{points[key][index][-1] / 2**20:.1f}" for key in windows)
+        print(f"| {anchors:.0f} | {tokens:.0f} | {cells} |")
     capture, step = coefficients["capture"], coefficients["draft_step"]
     vocab_copy = 5 * 129280 * 4  # one fp32 [block, vocab] logits copy of an anchor
     print("\n| coefficient | measured | the model's formula before |\n| --- | ---: | ---: |")

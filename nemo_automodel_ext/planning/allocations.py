@@ -29,6 +29,8 @@ class LiveBytes(TorchDispatchMode):
     Attributes:
         current: Bytes of counted storages alive now.
         peak: Largest ``current`` seen after any op (reset with ``reset_peak``).
+        windows: A timeline: the largest ``current`` of each window ``mark`` opened, by name (the bytes alive
+            when it opened included).
     """
 
     def __init__(self) -> None:
@@ -36,6 +38,16 @@ class LiveBytes(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
+        self.windows: dict[str, int] = {}
+        self._window: str | None = None
+
+    def mark(self, window: str | None) -> None:
+        """Close the open window (its peak kept in ``windows``) and open ``window`` at the bytes alive now
+        (None: open none). A name marked twice keeps the larger of its peaks."""
+        self._sweep()
+        if self._window is not None:
+            self.windows[self._window] = max(self.windows.get(self._window, 0), self._window_peak)
+        self._window, self._window_peak = window, self.current
 
     def reset_peak(self) -> int:
         """Start a new peak at the bytes alive now; returns them."""
@@ -71,6 +83,8 @@ class LiveBytes(TorchDispatchMode):
             self._live[key] = (StorageWeakRef(storage), storage.nbytes())
             self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
+        if self._window is not None:
+            self._window_peak = max(self._window_peak, self.current)
         self._sweep()
         return out
 

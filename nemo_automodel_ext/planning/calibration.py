@@ -15,7 +15,11 @@ experts 2304 wide, vocab 129280), bf16, on single-document rows of a few short l
 - ``draft_step``: the draft's forward, DSpark loss and backward (activation checkpointing on, as the
   recipes set it) on one ``T``-token document with ``A`` anchors of the Flash block: peak above the
   parameters and the captured inputs, each gradient dropped once accumulated (FSDP2 frees it once
-  reduce-scattered), fitted ``a + b A + c T``.
+  reduce-scattered), fitted ``a + b A + c T``; and its timeline (``DRAFT_WINDOWS``), each window's peak
+  fitted the same way: ``forward`` (the draft's layers, up to the last stage's outputs), ``loss`` (the head,
+  the DSpark loss and their backward, up to the first gradient reaching the last stage) and ``layers
+  backward`` (the rest: each layer's checkpointed recompute and backward). The memory model adds FSDP2's
+  per-layer buffers and the draft's expert dispatch only to the windows where they are alive.
 - ``draft_gradients``: bytes of gradients the backward leaves, per trainable draft parameter.
 - ``optimizer``: AdamW state per parameter after a step on bf16 parameters, and the step's transient
   bytes per parameter.
@@ -28,7 +32,7 @@ target has 8 routed experts a layer instead of 384, the draft 8 instead of 128 (
 top-6 and top-3, not on the expert count; the routers' fp32 logits add 1.5 KiB a target token and 0.5 KiB
 a draft token, not counted), and no Engram layer.
 ``benchmarks/memory_calibration.py`` measures and writes ``calibration.json``; ``tests/planning`` re-measures
-the first point of every phase and pins each coefficient to the stored measurements.
+two points of every slope and pins each coefficient to the stored measurements.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ TOKENS = (1024, 2048, 4096, 8192)  # single-document rows of the capture phase
 # (anchors, document tokens) of the draft-step phase: at 64 anchors and more the step's peak is the loss's
 # backward, whose bytes grow with the anchors (below it is the frozen head's fp32 copy, a constant).
 DRAFT_STEPS = ((64, 2048), (128, 2048), (256, 2048), (64, 4096), (64, 8192))
+DRAFT_WINDOWS = ("forward", "loss", "layers backward")  # the draft step's timeline (see the module docstring)
+STAND_IN_WIDTHS = ("draft_experts", "shared_experts")  # widths ``calibrate`` does not record (see EXPERTS)
 EXPERTS = 8  # routed experts a layer (Flash: 384 in the target, 128 in the draft; only the routers' logits differ)
 FLASH_OVERRIDES: dict[str, Any] = {
     "num_hidden_layers": 5,
@@ -247,9 +253,13 @@ def run_draft_step(trainer, anchors: int, tokens: int, mode: contextlib.Abstract
             parameter.grad = None
 
     hooks = [p.register_post_accumulate_grad_hook(reduce_scatter) for p in trainer.parameters() if p.requires_grad]
+    if isinstance(mode, LiveBytes):
+        hooks.append(_mark_windows(trainer.draft_model.layers[-1], mode))
     torch.manual_seed(anchors)
     try:
         with mode:
+            if isinstance(mode, LiveBytes):
+                mode.mark(DRAFT_WINDOWS[0])
             metrics = trainer(
                 batch["input_ids"],
                 features,
@@ -260,6 +270,8 @@ def run_draft_step(trainer, anchors: int, tokens: int, mode: contextlib.Abstract
                 batch["doc_remaining"],
             )
             metrics.loss.backward()
+            if isinstance(mode, LiveBytes):
+                mode.mark(None)
     finally:
         for hook in hooks:
             hook.remove()
@@ -267,16 +279,38 @@ def run_draft_step(trainer, anchors: int, tokens: int, mode: contextlib.Abstract
     return sum(gradient_bytes) / trainable
 
 
-def measure_draft_step(trainer, anchors: int, tokens: int) -> dict[str, float]:
+def _mark_windows(last_stage: torch.nn.Module, tape: LiveBytes):
+    """Hooks marking the draft step's windows on ``tape``: ``loss`` once the last stage's forward returns,
+    ``layers backward`` when the first gradient reaches one of its outputs. Returns a handle removing them."""
+    from torch.utils._pytree import tree_leaves
+
+    reached = []
+
+    def on_gradient(gradient: torch.Tensor) -> None:
+        if not reached:
+            reached.append(True)
+            tape.mark(DRAFT_WINDOWS[2])
+
+    def on_output(module, inputs, output) -> None:
+        tape.mark(DRAFT_WINDOWS[1])
+        for value in tree_leaves(output):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(on_gradient)
+
+    return last_stage.register_forward_hook(on_output)
+
+
+def measure_draft_step(trainer, anchors: int, tokens: int) -> dict[str, Any]:
     """Bytes of one draft step (``run_draft_step``).
 
     Returns:
-        ``{"peak": bytes, "gradients": bytes a trainable parameter}``: the most bytes alive at once above
-        the parameters and the captured inputs, and the gradient bytes the backward produced per parameter.
+        ``{"peak": bytes, "gradients": bytes a trainable parameter, "windows": {window: bytes}}``: the most
+        bytes alive at once above the parameters and the captured inputs, the gradient bytes the backward
+        produced per parameter, and the most alive in each of ``DRAFT_WINDOWS`` (their largest is the peak).
     """
     tape = LiveBytes()
     gradients = run_draft_step(trainer, anchors, tokens, tape)
-    return {"peak": tape.peak, "gradients": gradients}
+    return {"peak": tape.peak, "gradients": gradients, "windows": dict(tape.windows)}
 
 
 def measure_optimizer(parameters: int = 1 << 22) -> dict[str, float]:
@@ -319,6 +353,7 @@ def fit(points: list[list[float]], degree: int = 1) -> list[float]:
 def calibrate(log=print) -> dict[str, Any]:
     """Measure every phase and fit it (about 7 minutes on 2 cores, 12 GB of memory). Returns the calibration record."""
     points: dict[str, list[list[float]]] = {"capture": [], "captured": [], "draft_step": [], "draft_gradients": []}
+    points.update({f"draft {window}": [] for window in DRAFT_WINDOWS})
     with cpu_stand_ins():
         target = build_calibration_target()
         for tokens in TOKENS:
@@ -332,6 +367,8 @@ def calibrate(log=print) -> dict[str, Any]:
             measured = measure_draft_step(trainer, anchors, tokens)
             points["draft_step"].append([anchors, tokens, measured["peak"]])
             points["draft_gradients"].append([anchors, tokens, measured["gradients"]])
+            for window in DRAFT_WINDOWS:
+                points[f"draft {window}"].append([anchors, tokens, measured["windows"][window]])
             log(f"draft step {anchors} anchors, {tokens} tokens: peak {measured['peak'] / 2**20:.1f} MiB")
     optimizer = measure_optimizer()
     from nemo_automodel_ext.planning.counts import model_counts
@@ -339,13 +376,19 @@ def calibrate(log=print) -> dict[str, Any]:
     return {
         "torch": torch.__version__.split("+")[0],
         "config": {"widths": "DeepseekV41TextConfig() (V4.1-Flash)", **FLASH_OVERRIDES},
-        "widths": model_counts(calibration_config().text_config).widths,
+        # The widths activations scale with; the expert counts are stand-ins (EXPERTS), which the model may differ in.
+        "widths": {
+            key: value
+            for key, value in model_counts(calibration_config().text_config).widths.items()
+            if key not in STAND_IN_WIDTHS
+        },
         "points": points,
         "coefficients": {
             "capture": fit(points["capture"], 2),
             "captured": fit(points["captured"], 1),
             "draft_step": fit(points["draft_step"]),
             "draft_gradients": [max(p[-1] for p in points["draft_gradients"])],
+            **{f"draft {window}": fit(points[f"draft {window}"]) for window in DRAFT_WINDOWS},
             "optimizer_state": [optimizer["state"]],
             "optimizer_transient": [optimizer["transient"]],
         },
@@ -359,6 +402,7 @@ def load_calibration() -> dict[str, Any]:
 
 __all__ = [
     "DRAFT_STEPS",
+    "DRAFT_WINDOWS",
     "TOKENS",
     "build_calibration_draft",
     "build_calibration_target",

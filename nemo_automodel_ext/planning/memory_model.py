@@ -5,9 +5,13 @@ holds (the frozen target's shards, the draft's sharded parameters, gradients and
 deferred sync's unsharded gradients, a runtime reserve) plus the largest of the phases' own bytes:
 
 - capture: the target's FSDP units gathered during its forward, and the capture's activations;
-- draft step: the captured features (CP-native: shard + halos), the draft's forward, loss and backward
-  activations, and FSDP2's per-layer buffers (two gathered layers, one layer's unsharded gradients and
-  their fp32 reduce-scatter input, the root unit kept gathered);
+- the draft step, as the timeline its calibration measured: three windows, each holding the captured
+  features (CP-native: shard + halos), the root unit FSDP2 keeps gathered, and only what is alive in it:
+
+  - draft forward: the forward's activations (measured), two gathered layers and the expert dispatch;
+  - draft loss: the activations, logits and loss gradients at the head (measured; no layer is gathered);
+  - draft layers backward: the recompute's and backward's activations (measured), two gathered layers, one
+    layer's unsharded gradients and their fp32 reduce-scatter input, and the expert dispatch;
 - optimizer step: AdamW's transient bytes.
 
 Activation, gradient and optimizer bytes are the coefficients of ``calibration.json``: fits to bytes
@@ -94,7 +98,8 @@ class Calibration:
         capture: ``(a, b, c)``: a capture's peak is ``a + b x local tokens + c x local tokens x row tokens``
             a row.
         captured: Bytes a captured column hands to the draft (features and last hidden state).
-        draft_step: ``(a, b, c)``: a draft step's peak is ``a + b x anchors + c x feature columns``.
+        draft_windows: ``(a, b, c)`` by window of the draft step's timeline (``calibration.DRAFT_WINDOWS``:
+            forward, loss, layers backward): the window's peak is ``a + b x anchors + c x feature columns``.
         draft_gradients: Gradient bytes per trainable draft parameter.
         optimizer_state: AdamW state bytes per trainable parameter (bf16 moments).
         optimizer_transient: Bytes per trainable parameter alive during AdamW's step beyond its state.
@@ -103,27 +108,27 @@ class Calibration:
 
     capture: tuple[float, float, float]
     captured: float
-    draft_step: tuple[float, float, float]
     draft_gradients: float
     optimizer_state: float
     optimizer_transient: float
     widths: dict[str, int]
+    draft_windows: dict[str, tuple[float, float, float]]
 
     @classmethod
     def shipped(cls) -> Calibration:
         """The calibration shipped with the package."""
-        from nemo_automodel_ext.planning.calibration import load_calibration
+        from nemo_automodel_ext.planning.calibration import DRAFT_WINDOWS, load_calibration
 
         record = load_calibration()
         coefficients = record["coefficients"]
         return cls(
             capture=tuple(coefficients["capture"]),
             captured=coefficients["captured"][1],
-            draft_step=tuple(coefficients["draft_step"]),
             draft_gradients=coefficients["draft_gradients"][0],
             optimizer_state=coefficients["optimizer_state"][0],
             optimizer_transient=coefficients["optimizer_transient"][0],
             widths=dict(record["widths"]),
+            draft_windows={window: tuple(coefficients[f"draft {window}"]) for window in DRAFT_WINDOWS},
         )
 
     def mismatches(self, widths: dict[str, int]) -> str:
@@ -289,7 +294,32 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         "runtime reserve": RUNTIME_RESERVE_GIB * GIB,
     }
     capture_a, capture_b, capture_c = calibration.capture
-    step_a, step_b, step_c = calibration.draft_step
+
+    def draft_window(window: str) -> float:
+        a, b, c = calibration.draft_windows[window]
+        return a + b * layout.rows * anchors + c * layout.rows * feature_columns
+
+    resident_draft = {  # alive through the whole draft step
+        "captured features (measured)": calibration.captured * layout.rows * feature_columns,
+        # FSDP2 does not reshard the root unit after forward.
+        "draft root unit (FSDP2)": BF16 * counts.draft_root if fsdp else 0,
+        # DDP reduces gradients through buckets of their size.
+        "DDP gradient buckets": 0 if fsdp else calibration.draft_gradients * counts.draft_trainable,
+    }
+    # FSDP2, in a layer's forward and backward: this layer's and the prefetched layer's gathered bf16 parameters.
+    gathered_layers = 2 * BF16 * draft_gathered_layer if fsdp else 0
+    # Draft EP beyond the measured EP 1 step. All-to-all (routing balanced): the pairs sent, received and returned
+    # [tokens x topk, hidden] in bf16, their fp32 expert output, the fp32 combine. Upstream's all-gather: the other
+    # members' tokens [(draft_ep - 1) x tokens, hidden] in bf16, the fp32 output all-reduced and its gradient.
+    dispatch_buffers = (
+        (
+            draft_tokens * w["hidden"] * (w["draft_topk"] * (3 * BF16 + FP32) + FP32)
+            if all_to_all
+            else (layout.draft_ep - 1) * draft_tokens * w["hidden"] * (BF16 + 2 * FP32)
+        )
+        if layout.draft_ep > 1
+        else 0
+    )
     phases = {
         "capture": {
             "target gathered units": 2 * BF16 * (counts.dense_unit + gathered_experts),
@@ -297,32 +327,25 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
             + capture_b * local_tokens
             + capture_c * local_tokens * layout.row_tokens,
         },
-        "draft step": {
-            "captured features (measured)": calibration.captured * layout.rows * feature_columns,
-            "draft activations and logits (measured)": step_a
-            + step_b * layout.rows * anchors
-            + step_c * layout.rows * feature_columns,
-            # FSDP2's backward: this layer's and the prefetched layer's gathered bf16 parameters ...
-            "draft gathered layers (FSDP2)": 2 * BF16 * draft_gathered_layer if fsdp else 0,
+        "draft forward": {
+            **resident_draft,
+            "draft forward activations (measured)": draft_window("forward"),
+            "draft gathered layers (FSDP2)": gathered_layers,
+            "draft EP dispatch buffers": dispatch_buffers,
+        },
+        "draft loss": {
+            **resident_draft,
+            "draft activations, logits and loss gradients (measured)": draft_window("loss"),
+        },
+        "draft layers backward": {
+            **resident_draft,
+            "draft recompute and backward activations (measured)": draft_window("layers backward"),
+            "draft gathered layers (FSDP2)": gathered_layers,
             # ... the layer's unsharded bf16 gradients and their fp32 copy, the reduce-scatter input ...
             "draft layer gradients + fp32 reduce-scatter input (FSDP2)": (BF16 + FP32) * draft_gathered_layer
             if fsdp
             else 0,
-            # Draft EP beyond the measured EP 1 step. All-to-all (routing balanced): the pairs sent, received
-            # and returned [tokens x topk, hidden] in bf16, their fp32 expert output, the fp32 combine.
-            # Upstream's all-gather: the other members' tokens [(draft_ep - 1) x tokens, hidden] in bf16,
-            # the fp32 output all-reduced and its gradient.
-            "draft EP dispatch buffers": (
-                draft_tokens * w["hidden"] * (w["draft_topk"] * (3 * BF16 + FP32) + FP32)
-                if all_to_all
-                else (layout.draft_ep - 1) * draft_tokens * w["hidden"] * (BF16 + 2 * FP32)
-            )
-            if layout.draft_ep > 1
-            else 0,
-            # ... and the root unit, which FSDP2 does not reshard after forward.
-            "draft root unit (FSDP2)": BF16 * counts.draft_root if fsdp else 0,
-            # DDP reduces gradients through buckets of their size.
-            "DDP gradient buckets": 0 if fsdp else calibration.draft_gradients * counts.draft_trainable,
+            "draft EP dispatch buffers": dispatch_buffers,
         },
         "optimizer step": {
             "AdamW step (measured)": calibration.optimizer_transient * counts.draft_trainable / draft_replicas,

@@ -10,6 +10,7 @@ import torch
 from nemo_automodel_ext.planning.allocations import LiveBytes, peak_bytes
 from nemo_automodel_ext.planning.calibration import (
     DRAFT_STEPS,
+    DRAFT_WINDOWS,
     TOKENS,
     build_calibration_draft,
     build_calibration_target,
@@ -43,12 +44,32 @@ def test_live_bytes_counts_new_storages_and_frees():
     assert (peak, held, result.numel()) == (8192, 4096, 1024)
 
 
+def test_windows_keep_each_window_s_peak_with_what_was_alive_when_it_opened():
+    matrix = 64 * 64 * 4
+    with LiveBytes() as tape:
+        tape.mark("first")
+        kept = torch.ones(64, 64)
+        (torch.ones(64, 64) + 1).sum()  # a temporary: the first window's peak holds three matrices' bytes
+        tape.mark("second")  # opens at the one kept matrix
+        more = torch.ones(64, 64)
+        tape.mark(None)
+        torch.ones(256, 256)  # after the last window: in the peak, in no window
+    assert tape.windows == {"first": 3 * matrix, "second": 2 * matrix}
+    assert tape.peak == 256 * 256 * 4 + 2 * matrix and kept.numel() == more.numel()
+
+
 def test_coefficients_are_the_fit_of_the_stored_measurements():
     record = load_calibration()
     points, coefficients = record["points"], record["coefficients"]
     assert fit(points["capture"], 2) == pytest.approx(coefficients["capture"], rel=1e-9)
     assert fit(points["captured"], 1) == pytest.approx(coefficients["captured"], rel=1e-9, abs=1e-3)
     assert fit(points["draft_step"]) == pytest.approx(coefficients["draft_step"], rel=1e-9)
+    for window in DRAFT_WINDOWS:
+        assert fit(points[f"draft {window}"]) == pytest.approx(coefficients[f"draft {window}"], rel=1e-9)
+    # The timeline covers the step: at every point its largest window is the step's peak.
+    for index, (anchors, tokens, peak) in enumerate(points["draft_step"]):
+        assert max(points[f"draft {window}"][index][-1] for window in DRAFT_WINDOWS) == peak
+        assert all(points[f"draft {window}"][index][:2] == [anchors, tokens] for window in DRAFT_WINDOWS)
     assert coefficients["draft_gradients"] == [max(p[-1] for p in points["draft_gradients"])]
     # Each measured point is reproduced by its fit within 2%.
     a, b, c = coefficients["capture"]
@@ -81,6 +102,8 @@ def test_two_points_of_every_slope_re_measure_to_the_stored_bytes():
             anchors, tokens = DRAFT_STEPS[index]
             measured = measure_draft_step(trainer, anchors, tokens)
             assert [anchors, tokens, measured["peak"]] == points["draft_step"][index]
+            for window in DRAFT_WINDOWS:
+                assert [anchors, tokens, measured["windows"][window]] == points[f"draft {window}"][index]
             assert measured["gradients"] == pytest.approx(points["draft_gradients"][index][-1], rel=1e-9)
         del trainer
         gc.collect()
@@ -111,9 +134,9 @@ def test_the_model_scales_the_measured_terms(flash_counts):
     assert wide_result.phases["capture"]["capture activations (measured)"] == pytest.approx(
         a + b * 16384 + c * 16384 * 65536
     )
-    a, b, c = calibration.draft_step
+    a, b, c = calibration.draft_windows["loss"]
     columns = 16384 + 128 + 5
-    assert wide_result.phases["draft step"]["draft activations and logits (measured)"] == pytest.approx(
+    assert wide_result.phases["draft loss"]["draft activations, logits and loss gradients (measured)"] == pytest.approx(
         a + b * 512 + c * columns
     )
     # The peak is the largest phase on top of what every phase holds.

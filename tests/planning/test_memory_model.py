@@ -94,18 +94,18 @@ def test_eight_h100_nodes_need_the_draft_s_experts_on_ep(flash):
     _, counts = flash
     layout = Layout(gpus=64, gpu_gib=80, ep=64, cp=4, rows=1, row_tokens=65536, anchors_per_row=2048)
     result = estimate(counts, layout)
-    fsdp = sum(value for name, value in result.phases["draft step"].items() if "FSDP2" in name)
-    assert fsdp / GIB == pytest.approx(46.9, abs=0.05) and result.peak_phase == "draft step"
+    fsdp = sum(value for name, value in result.phases["draft layers backward"].items() if "FSDP2" in name)
+    assert fsdp / GIB == pytest.approx(46.9, abs=0.05) and result.peak_phase == "draft layers backward"
     with pytest.raises(ValueError) as error:
         check_layout_fits(counts, layout)
     message = str(error.value)
-    assert "at its draft step (draft layer gradients + fp32 reduce-scatter input (FSDP2) 26.7" in message
+    assert "at its draft layers backward (draft layer gradients + fp32 reduce-scatter input (FSDP2) 26.7" in message
     # EP sizes the candidates offer divide the 384 target experts and the 128 draft experts.
     assert "the nearest layout that fits is 64 GPUs of 80 GiB, ep_size=64, cp_size=4, draft_ep_size=8" in message
 
     spread = estimate(counts, replace(layout, draft_ep=8, draft_ep_dispatch="all_gather"))
     layer = counts.draft_layer - counts.draft_layer_experts * 7 / 8
-    assert spread.phases["draft step"]["draft gathered layers (FSDP2)"] == 2 * 2 * layer
+    assert spread.phases["draft layers backward"]["draft gathered layers (FSDP2)"] == 2 * 2 * layer
     tokens = 2048 // 4 * 5  # a rank's anchors x block
     # Upstream's all-gather, per layer and pass: 7 peers' tokens in bf16, the fp32 output all-reduced (2x).
     assert spread.traffic["draft EP dispatch"] == 3 * 3 * 7 * tokens * 5120 * (2 + 8)
@@ -118,7 +118,7 @@ def test_eight_h100_nodes_need_the_draft_s_experts_on_ep(flash):
     assert pairs.traffic["draft EP dispatch"] < spread.traffic["draft EP dispatch"] / 6
     # Under draft EP the MoE blocks are checkpointed like every other block (recipes/parallel.parallelize_draft:
     # expert parallelism, then checkpointing): no layer keeps their activations.
-    assert not any("kept" in name for name in pairs.phases["draft step"])
+    assert not any("kept" in name for phase in pairs.phases.values() for name in phase)
 
 
 @pytest.mark.parametrize("name", sorted(GPU_RECIPES))
@@ -160,8 +160,9 @@ def test_one_node_is_refused_with_the_estimate_and_the_nearest_layout(flash, tmp
     with pytest.raises(ValueError) as error:
         check_layout_fits(counts, layout)
     message = str(error.value)
-    assert "needs about 289.3 GiB a GPU at its draft step" in message and "target shards (bf16) 174.2" in message
-    assert "the nearest layout that fits is 16 GPUs of 141 GiB, ep_size=16, cp_size=8, draft_ep_size=16" in message
+    assert "needs about 259.6 GiB a GPU at its draft layers backward" in message
+    assert "target shards (bf16) 174.2" in message
+    assert "the nearest layout that fits is 16 GPUs of 141 GiB, ep_size=16, cp_size=4, draft_ep_size=8" in message
     # The recipe's check reads only the target's config.json.
     DeepseekV41Config(text_config=text.to_dict(), vision_config={"num_hidden_layers": 0}).save_pretrained(tmp_path)
     cfg = load_yaml_config(REPO / "recipes/deepseek_v41/dspark_flash_h200_4node.yaml")
@@ -177,9 +178,9 @@ def test_cp_native_features_and_draft_anchors_shrink_with_cp(flash):
     for native in (False, True):
         for cp in (1, 2, 4, 8):
             layout = Layout(64, 80, 64, cp, 1, 131072, 2048, cp_native=native)
-            parts.append(estimate(counts, layout).phases["draft step"])
+            parts.append(estimate(counts, layout).phases["draft loss"])
     gathered, halo = parts[:4], parts[4:]
-    features, draft = "captured features (measured)", "draft activations and logits (measured)"
+    features, draft = "captured features (measured)", "draft activations, logits and loss gradients (measured)"
     assert [p[features] for p in gathered] == [gathered[0][features]] * 4
     assert halo[3][features] < gathered[3][features] / 7
     # Each CP rank trains a 1/cp share of the row's anchors on its shard's columns.
