@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from nemo_automodel.recipes._dist_utils import _normalize_activation_checkpointing
+
 from nemo_automodel_ext.planning.counts import GIB, ModelCounts
 from nemo_automodel_ext.planning.memory_model import Estimate, Layout, estimate
 
@@ -85,7 +87,9 @@ def layout_from_config(cfg: Any, args: dict[str, Any], world_size: int, gpu_gib:
         strategy=str(get("strategy", "ddp")).lower() if world_size > 1 else "ddp",
         grad_accumulation=int(args["grad_accumulation_steps"]),
         defer_grad_sync=bool(args["defer_fsdp_grad_sync"]),
-        draft_recompute=bool(get("activation_checkpointing", False)),
+        # Upstream's reading of the key (its draft checkpointing normalises it so): only full checkpointing
+        # (True) is what the calibration measured; "selective" keeps other activations.
+        draft_recompute=_normalize_activation_checkpointing(get("activation_checkpointing", False)) is True,
     )
 
 

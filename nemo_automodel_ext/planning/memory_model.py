@@ -68,10 +68,10 @@ class Layout:
             (``recipe_args.draft_ep_dispatcher``): ``all_to_all`` sends each routed pair to its
             expert's rank and back; ``all_gather`` (upstream's) gathers the group's tokens and
             all-reduces the fp32 output.
-        draft_recompute: The draft's layers are activation-checkpointed
-            (``distributed.activation_checkpointing``), their MoE included (EP is applied first): each layer's
-            forward, its expert all-to-all with it, runs again in backward. The calibration measured the draft
-            step checkpointed, so ``estimate`` refuses False.
+        draft_recompute: The draft's layers are fully activation-checkpointed
+            (``distributed.activation_checkpointing: true``), their MoE included (EP is applied first): each
+            layer's forward, its expert all-to-all with it, runs again in backward. The calibration measured the
+            draft step so, and ``estimate`` refuses False (off, or upstream's ``selective``).
     """
 
     gpus: int
@@ -265,9 +265,9 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
     calibration.require(counts.widths)
     if not layout.draft_recompute:
         raise ValueError(
-            "the memory model measured the draft step with activation checkpointing; a layout without it "
-            "(distributed.activation_checkpointing: false) keeps every layer's activations, which nothing here "
-            "measured: set distributed.activation_checkpointing: true"
+            "the memory model measured the draft step with full activation checkpointing; a layout without it "
+            "(distributed.activation_checkpointing off or selective) keeps activations nothing here measured: "
+            "set distributed.activation_checkpointing: true"
         )
     w, g = counts.widths, layout.gpus
     local_tokens = layout.rows * layout.row_tokens / layout.cp

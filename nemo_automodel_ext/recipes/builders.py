@@ -73,8 +73,8 @@ def check_layout_memory(cfg: Any, args: dict[str, Any], path: str, world_size: i
     layout = layout_from_config(cfg, args, world_size, gpu_gib)
     if not layout.draft_recompute:
         logging.getLogger(__name__).warning(
-            "memory check skipped: the memory model measured the draft step with activation checkpointing and "
-            "this run has distributed.activation_checkpointing off (docs/scaling.md)"
+            "memory check skipped: the memory model measured the draft step with full activation checkpointing "
+            "and this run has distributed.activation_checkpointing off or selective (docs/scaling.md)"
         )
         return
     check_layout_fits(counts, layout)
