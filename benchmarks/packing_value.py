@@ -261,7 +261,10 @@ def summarise(output: Path) -> dict:
     last = evals[-1] if evals else logged[-1]
     keys = ("train_s", "captured_tokens", "tokens", "documents", "supervised_slots", "step")
     first, end = logged[0], logged[-1]  # seconds a step past the first logged one (start-up left out)
-    step_s = (end["train_s"] - first["train_s"]) / max(1, end["step"] - first["step"])
+    if end["step"] > first["step"]:
+        step_s = (end["train_s"] - first["train_s"]) / (end["step"] - first["step"])
+    else:  # one logged step (a short probe): its seconds, start-up included
+        step_s = end["train_s"] / max(1, end["step"])
     return {"points": points, "step_s": step_s, **{key: last[key] for key in keys}}
 
 
@@ -298,6 +301,8 @@ class Protocol:
             probe = self.run(self.job(batching, LR_GRID[1], seed, 1, probe=True))
             epoch_s = probe["step_s"] * self.shapes[batching].steps_an_epoch
             self.budget_ready.wait()
+            if epoch_s <= 0:
+                raise ValueError(f"{self.mix}/{batching}: the probe measured {epoch_s} s an epoch; it must be positive")
             epochs = max(1, round(self.budget_s / epoch_s))
         grid = self.runs([self.job(batching, lr, seed, epochs) for lr in LR_GRID])
         try:

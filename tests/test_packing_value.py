@@ -105,3 +105,16 @@ def test_readme_and_docs_carry_the_stored_results():
     with pytest.raises(ValueError, match="README.md's packing-value block"):
         edited = dict(results, commit="0000000")
         packing_report.check_published((REPO / "README.md").read_text(), "", edited)
+
+
+def test_a_probe_with_one_logged_step_still_times_its_steps(tmp_path):
+    """The full run's skewed grouped probe logged one step (10 steps on a quarter of the data); its seconds a step
+    were 0 and the epoch budget divided by zero. One logged record now gives its own seconds over its steps."""
+    import json
+
+    records = [{"step": 10, "train_s": 4.0, "captured_tokens": 9, "tokens": 8, "documents": 3, "supervised_slots": 5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert packing_value.summarise(tmp_path)["step_s"] == pytest.approx(0.4)
+    records.append({**records[0], "step": 30, "train_s": 8.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert packing_value.summarise(tmp_path)["step_s"] == pytest.approx(0.2)
