@@ -90,12 +90,14 @@ def pack_rows(lengths: list[int], row: int) -> list[list[int]]:
     """
     rows: list[list[int]] = []
     current: list[int] = []
+    used = 0  # tokens of ``current``
     for length in lengths:
         length = min(int(length), row)
-        if current and sum(current) + length > row:
+        if current and used + length > row:
             rows.append(current)
-            current = []
+            current, used = [], 0
         current.append(length)
+        used += length
     if current:
         rows.append(current)
     return rows
@@ -266,8 +268,8 @@ def case_costs(mix_name: str, gpu_name: str, nodes: int, recipe: str) -> tuple[l
 
 def render(mix_name: str, gpu_name: str, nodes: int, recipe: str, costs: list[Cost], limit: int, layout) -> str:
     mix = SCALE_MIXES[mix_name]
-    total = sum(c.useful + c.lost for c in costs[:1])
     packed = costs[0]
+    total = packed.useful + packed.lost  # every batching's useful + lost tokens are the mix's
     lines = [
         f"**{mix.name}** ({mix.documents:,} documents, {total:,} tokens, median {mix.median:g}, at most "
         f"{mix.high:,}) on **{gpu_name} x {nodes * 8}** (`{recipe}`: EP {layout.ep}, CP {layout.cp}, "

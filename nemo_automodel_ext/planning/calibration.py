@@ -53,7 +53,9 @@ TOKENS = (1024, 2048, 4096, 8192)  # single-document rows of the capture phase
 # backward, whose bytes grow with the anchors (below it is the frozen head's fp32 copy, a constant).
 DRAFT_STEPS = ((64, 2048), (128, 2048), (256, 2048), (64, 4096), (64, 8192))
 DRAFT_WINDOWS = ("forward", "loss", "layers backward")  # the draft step's timeline (see the module docstring)
-STAND_IN_WIDTHS = ("draft_experts", "shared_experts")  # widths ``calibrate`` does not record (see EXPERTS)
+# Expert counts ``calibrate`` does not record among the widths: the routed ones are stand-ins (EXPERTS), and the
+# stored record has never pinned them (activations follow top-k, not the count).
+STAND_IN_WIDTHS = ("draft_experts", "shared_experts")
 EXPERTS = 8  # routed experts a layer (Flash: 384 in the target, 128 in the draft; only the routers' logits differ)
 FLASH_OVERRIDES: dict[str, Any] = {
     "num_hidden_layers": 5,
