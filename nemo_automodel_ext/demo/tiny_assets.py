@@ -32,7 +32,13 @@ from safetensors.torch import save_file
 
 from nemo_automodel_ext.demo.demo_target import MAX_NEW_TOKENS, load_demo_target
 from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, conversation
-from nemo_automodel_ext.evaluation.generate import greedy_generate
+from nemo_automodel_ext.evaluation.generate import (
+    finish_greedy,
+    follow_guess,
+    greedy_generate,
+    is_finished,
+    packed_predictions,
+)
 from nemo_automodel_ext.evaluation.sequences import encode_conversation
 
 _MARKER = ".complete"
@@ -60,7 +66,7 @@ def regenerate(model, tokenizer, samples: list[dict]) -> list[dict]:
     )
     regenerated = []
     for sample, tokens in zip(samples, generated):
-        answer = tokenizer.decode([token for token in tokens if token != tokenizer.eos_token_id])
+        answer = _answer(tokenizer, tokens)
         regenerated.append({"messages": [*sample["messages"][:-1], {"role": "assistant", "content": answer}]})
     return regenerated
 
@@ -161,6 +167,13 @@ def plan_turns(rng: random.Random, split: str, count: int, exclude: set[str] | N
 def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]]) -> list[dict]:
     """Conversations of the planned exchanges, every assistant turn the target's greedy answer in its context.
 
+    Each round runs every unfinished conversation once, whole, with its remaining planned answers as guesses
+    (``packed_predictions``: conversations of any lengths share packed rows): a turn whose guess the target
+    reproduces is verified in that forward, and so is the next, its context now known, until a turn's answer
+    differs from the plan; that turn is decoded on (``finish_greedy``) and the next round starts after it. The
+    text is what regenerating turn by turn gives (the target's greedy answer to the conversation so far); a long
+    conversation the target answers as planned costs one forward instead of one a turn.
+
     Args:
         model: The demo target.
         tokenizer: Its tokenizer, with the chat template.
@@ -168,15 +181,53 @@ def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]]) -> list[di
 
     Returns:
         New ``{"messages": [...]}`` samples, in order.
+
+    Raises:
+        ValueError: when the chat template renders a conversation's first turns differently once more follow.
     """
     messages: list[list[dict]] = [[] for _ in plans]
-    for turn in range(max(len(plan) for plan in plans)):
-        active = [index for index, plan in enumerate(plans) if turn < len(plan)]
-        # regenerate() answers the last user turn given everything before it; the planned answer is a guess.
-        samples = [{"messages": messages[index] + plans[index][turn]} for index in active]
-        for index, sample in zip(active, regenerate(model, tokenizer, samples), strict=True):
-            messages[index] = sample["messages"]
+    done = [0 for _ in plans]  # exchanges regenerated, per conversation
+    eos = tokenizer.eos_token_id
+    while active := [index for index, plan in enumerate(plans) if done[index] < len(plan)]:
+        encoded = []  # per active conversation: (tokens, prompt length) of it up to each remaining exchange
+        for index in active:
+            conversation, ends = list(messages[index]), []
+            for exchange in plans[index][done[index] :]:
+                conversation += exchange
+                ends.append(encode_conversation(tokenizer, conversation))
+            encoded.append(ends)
+        predicted = packed_predictions(model, [ends[-1][0] for ends in encoded])
+        stalled = []  # (conversation, prompt tokens, verified start of the answer)
+        for index, ends, row in zip(active, encoded, predicted, strict=True):
+            whole = ends[-1][0]
+            for full, prompt in ends:
+                if whole[: len(full)] != full:
+                    raise ValueError("the chat template renders a conversation's turns differently once more follow")
+                tokens = follow_guess(row, prompt, full[prompt:], MAX_NEW_TOKENS, eos)
+                if not is_finished(tokens, MAX_NEW_TOKENS, eos):
+                    stalled.append((index, full[:prompt], tokens))
+                    break
+                answer, planned = _answer(tokenizer, tokens), plans[index][done[index]][-1]["content"]
+                _answer_turn(messages, done, plans, index, answer)
+                if answer != planned:
+                    break  # the later turns were run after the planned answer, not this one
+        if stalled:
+            indices, prompts, started = zip(*stalled)
+            for index, tokens in zip(indices, finish_greedy(model, prompts, started, MAX_NEW_TOKENS, eos)):
+                _answer_turn(messages, done, plans, index, _answer(tokenizer, tokens))
     return [{"messages": conversation_messages} for conversation_messages in messages]
+
+
+def _answer(tokenizer, tokens: list[int]) -> str:
+    """An assistant turn's text: the generated tokens, EOS left out."""
+    return tokenizer.decode([token for token in tokens if token != tokenizer.eos_token_id])
+
+
+def _answer_turn(messages: list[list[dict]], done: list[int], plans, index: int, answer: str) -> None:
+    """Append conversation ``index``'s next planned user turn and ``answer`` to it (in place)."""
+    user = plans[index][done[index]][0]
+    messages[index] = [*messages[index], user, {"role": "assistant", "content": answer}]
+    done[index] += 1
 
 
 def ensure_dev_split(directory: str | Path, count: int, plan, *, seed: int = 1_000_003) -> Path:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
 from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 
@@ -42,6 +43,49 @@ def causal_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     lengths = torch.full((input_ids.shape[0], 1), input_ids.shape[1], dtype=torch.long, device=input_ids.device)
     layout, inputs = prepare_packed_inputs(model, input_ids, lengths)
     return layout.restore(model(**inputs).logits)
+
+
+@torch.no_grad()
+def packed_predictions(
+    model: nn.Module, sequences: Sequence[Sequence[int]], width: int = 2048, max_batch_tokens: int = 16384
+) -> list[list[int]]:
+    """The target's greedy next token after every prefix of each sequence, many sequences a row.
+
+    Sequences of any lengths share packed rows (``pack_sequences``, longest first), each its own
+    document of the packed path, so one forward verifies them all: column t of a sequence depends on
+    its tokens 0..t only, as in ``causal_logits`` on the sequence alone.
+
+    Args:
+        model: ``DeepseekV41ForCausalLM``; its indexers are switched to the segmented selection.
+        sequences: Token ids of each sequence (non-empty).
+        width: Packed row width; a longer sequence gets a row of its own.
+        max_batch_tokens: Rows run together are capped at this many tokens (at least one row).
+
+    Returns:
+        New lists, one a sequence in order: entry t is the argmax of the logits at its token t.
+
+    Raises:
+        ValueError: for an empty sequence.
+    """
+    install_packed_indexer(model)
+    device = next(model.parameters()).device
+    pad = model.config.text_config.pad_token_id or 0
+    order = sorted(range(len(sequences)), key=lambda index: -len(sequences[index]))
+    packed = [EvalSequence(tuple(sequences[index])) for index in order]
+    for position, index in enumerate(order):
+        if not packed[position].prompt:
+            raise ValueError(f"sequences[{index}] is empty")
+    predicted: list[list[int]] = [[] for _ in sequences]
+    for batch in pack_sequences(packed, width, max(1, max_batch_tokens // width), pad):
+        layout, inputs = prepare_packed_inputs(model, batch["input_ids"].to(device), batch["seq_lens"].to(device))
+        rows = layout.restore(model(**inputs).logits).argmax(dim=-1).tolist()
+        for row, (lengths, members) in enumerate(zip(batch["seq_lens"].tolist(), batch["sequence_index"].tolist())):
+            column = 0
+            for length, member in zip(lengths, members):
+                if member >= 0:
+                    predicted[order[member]] = rows[row][column : column + length]
+                column += length
+    return predicted
 
 
 @torch.no_grad()
@@ -105,6 +149,65 @@ def greedy_generate(
     return results
 
 
+def follow_guess(
+    predicted: Sequence[int], start: int, guess: Sequence[int], max_new_tokens: int, eos_token_id: int | None
+) -> list[int]:
+    """The target's greedy continuation after ``start`` tokens, as far as one forward over a guess shows it.
+
+    Args:
+        predicted: The target's argmax after each prefix of ``prompt + guess`` (``packed_predictions``).
+        start: Prompt tokens (positive).
+        guess: The guessed continuation that was run after the prompt.
+        max_new_tokens: Most tokens a continuation has.
+        eos_token_id: A continuation ends after this token (kept); None: never.
+
+    Returns:
+        A new list: the longest prefix of ``guess`` the target follows, plus the target's own token where they
+        part (or after the guess), at most ``max_new_tokens``. It is the whole greedy continuation when
+        ``is_finished`` says so; otherwise ``finish_greedy`` decodes the rest.
+    """
+    guess = guess[:max_new_tokens]
+    tokens = []
+    for offset in range(len(guess) + 1):
+        tokens.append(predicted[start - 1 + offset])
+        if offset == len(guess) or tokens[-1] != guess[offset] or tokens[-1] == eos_token_id:
+            break
+    return tokens[:max_new_tokens]
+
+
+def is_finished(tokens: Sequence[int], max_new_tokens: int, eos_token_id: int | None) -> bool:
+    """Whether a greedy continuation is complete: ``max_new_tokens`` long, or ending with the EOS token."""
+    return len(tokens) >= max_new_tokens or (eos_token_id is not None and tokens[-1] == eos_token_id)
+
+
+def finish_greedy(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    started: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_id: int | None,
+    max_batch_tokens: int = 16384,
+) -> list[list[int]]:
+    """Each prompt's greedy continuation, given its first tokens (``started``, from ``follow_guess``).
+
+    Returns:
+        New lists, in order: ``started`` itself where it is finished, else decoded on from it.
+    """
+    finished = [list(tokens) for tokens in started]
+    unfinished = [i for i, tokens in enumerate(finished) if not is_finished(tokens, max_new_tokens, eos_token_id)]
+    if unfinished:
+        rest = greedy_generate(
+            model,
+            [[*prompts[i], *finished[i]] for i in unfinished],
+            max_new_tokens,
+            eos_token_id,
+            max_batch_tokens,
+        )
+        for i, tokens in zip(unfinished, rest):
+            finished[i] = [*finished[i], *tokens][:max_new_tokens]
+    return finished
+
+
 def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_batch_tokens) -> list[list[int]]:
     """``greedy_generate`` with each guess verified by one forward; only the unverified rest is decoded."""
     if max_new_tokens < 1:
@@ -125,25 +228,17 @@ def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_b
                 causal_logits(model, torch.tensor(rows, dtype=torch.long, device=device)).argmax(dim=-1).tolist()
             )
             for row, index in enumerate(chunk):
-                start, guess = len(prompts[index]), rows[row][len(prompts[index]) :]
-                tokens = []
-                for offset in range(len(guess) + 1):
-                    tokens.append(predicted[row][start - 1 + offset])
-                    if offset == len(guess) or tokens[-1] != guess[offset] or tokens[-1] == eos_token_id:
-                        break
-                verified[index] = tokens[:max_new_tokens]
-    unfinished = [i for i, tokens in enumerate(verified) if len(tokens) < max_new_tokens and tokens[-1] != eos_token_id]
-    if unfinished:
-        rest = greedy_generate(
-            model,
-            [[*prompts[i], *verified[i]] for i in unfinished],
-            max_new_tokens,
-            eos_token_id,
-            max_batch_tokens,
-        )
-        for i, tokens in zip(unfinished, rest):
-            verified[i] = [*verified[i], *tokens][:max_new_tokens]
-    return verified
+                verified[index] = follow_guess(
+                    predicted[row], len(prompts[index]), guesses[index], max_new_tokens, eos_token_id
+                )
+    return finish_greedy(model, prompts, verified, max_new_tokens, eos_token_id, max_batch_tokens)
 
 
-__all__ = ["causal_logits", "greedy_generate"]
+__all__ = [
+    "causal_logits",
+    "finish_greedy",
+    "follow_guess",
+    "greedy_generate",
+    "is_finished",
+    "packed_predictions",
+]

@@ -46,3 +46,25 @@ def test_validation_prompts_are_held_out_and_every_answer_is_the_target_s(tmp_pa
         for end in range(2, len(conversation) + 1, 2):
             again = regenerate(model, tokenizer, [{"messages": conversation[:end]}])[0]["messages"]
             assert again == conversation[:end]
+
+
+def test_whole_conversation_verification_equals_turn_by_turn_regeneration():
+    """``regenerate_turns`` verifies a conversation's remaining planned answers in one packed forward; with right
+    plans, wrong ones (a turn decoded on, the rest re-run after it) and truncated ones, every turn is what
+    regenerating turn by turn gives: the target's greedy answer to the conversation before it."""
+    from nemo_automodel_ext.demo.multiturn import SKEWED
+    from nemo_automodel_ext.demo.tiny_assets import plan_turns, regenerate_turns
+
+    model, tokenizer, rng = load_demo_target(), build_tokenizer(), random.Random(5)
+    plans = [plan_turns(rng, "train", turns(rng, SKEWED) + 1) for _ in range(6)]
+    plans[1][0][1] = {"role": "assistant", "content": "no"}  # a wrong first answer: decoded on
+    plans[2][-1][1] = {"role": "assistant", "content": plans[2][-1][1]["content"] + " and more"}  # too long
+    plans[3][1][1] = {"role": "assistant", "content": plans[3][1][1]["content"].split()[0]}  # stops early
+    reference = []
+    for plan in plans:
+        messages = []
+        for exchange in plan:
+            messages = regenerate(model, tokenizer, [{"messages": messages + exchange}])[0]["messages"]
+        reference.append({"messages": messages})
+    assert regenerate_turns(model, tokenizer, plans) == reference
+    assert [m["content"] for m in reference[1]["messages"][:2]] != [m["content"] for m in plans[1][0]]

@@ -20,3 +20,19 @@ def test_guesses_only_speed_up_greedy_decoding(demo_pair):
         assert greedy_generate(wrapper.model, prompts, 20, eos, guesses=guesses) == plain
     with pytest.raises(ValueError, match="guesses"):
         greedy_generate(wrapper.model, prompts, 20, eos, guesses=right[:3])
+
+
+def test_packed_predictions_are_each_sequence_s_own(demo_pair):
+    """Sequences of mixed lengths sharing packed rows (several rows a batch, several batches, one sequence wider
+    than a row) get the argmax that ``causal_logits`` gives each of them alone."""
+    import torch
+
+    from nemo_automodel_ext.evaluation.generate import causal_logits, packed_predictions
+
+    wrapper, _, _, _ = demo_pair
+    sequences = [[*s.prompt, *s.continuation] for s in demo_sequences(9, seed=4)]
+    sequences.append(sequences[0] + sequences[1] + sequences[2])  # wider than the rows
+    alone = [causal_logits(wrapper.model, torch.tensor([s])).argmax(-1)[0].tolist() for s in sequences]
+    assert packed_predictions(wrapper.model, sequences, width=64, max_batch_tokens=128) == alone
+    with pytest.raises(ValueError, match=r"sequences\[1\] is empty"):
+        packed_predictions(wrapper.model, [[4, 5], []])
