@@ -118,3 +118,14 @@ def test_a_probe_with_one_logged_step_still_times_its_steps(tmp_path):
     records.append({**records[0], "step": 30, "train_s": 8.0})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert packing_value.summarise(tmp_path)["step_s"] == pytest.approx(0.2)
+
+
+def test_a_probe_logs_every_step_so_its_step_time_leaves_start_up_out(tmp_path):
+    """A probe of a few steps under the recipe's ``log_every_steps: 10`` logged one record, start-up included: the
+    skewed grouped probe measured 0.6 s a step for 0.2, and grouped trained a third of the time budget. The probe
+    logs every step (its step time then comes from two records); the measured runs keep the recipe's frequency."""
+    shape = packing_value.Shape(512, 0, 2, 58)
+    probe = packing_value.Job("skewed", "grouped", 5e-3, 42, 1, shape, {"test": tmp_path / "val.jsonl"}, probe=True)
+    run = packing_value.Job("skewed", "grouped", 5e-3, 42, 4, shape, {"test": tmp_path / "val.jsonl"})
+    assert "--recipe_args.log_every_steps=1" in packing_value.overrides(probe, tmp_path / "probe.jsonl")
+    assert not any("log_every_steps" in each for each in packing_value.overrides(run, tmp_path / "train.jsonl"))
