@@ -109,9 +109,10 @@ def pm(pair: tuple[float, float] | None, digits: int = 2) -> str:
 
 def mix_title(name: str, mix: dict, mode: str) -> str:
     seeds = len(mix["seeds"])
+    measured = f"; at {mix['commit']}, {mix['wall_s'] / 60:.0f} min" if "commit" in mix else ""
     return (
         f"**{name}** mix ({mode}: {seeds} seeds; {mix['token_budget']:,} tokens a micro-batch; "
-        f"budget {mix['budget_s']:.0f} s, packed's training seconds)"
+        f"budget {mix['budget_s']:.0f} s, packed's training seconds{measured})"
     )
 
 
@@ -245,8 +246,49 @@ def block_of(text: str, where: str) -> str:
     return match.group(1)
 
 
+def merge(published: dict, results: dict) -> dict:
+    """The published results with the mixes of ``results`` measured anew, the others kept as they were.
+
+    Each mix keeps the commit and minutes it was measured at (``commit`` and ``wall_s`` of the mix, else of its
+    run); the merged ``commit`` names each mix's when they differ and ``wall_s`` is their sum.
+
+    Raises:
+        ValueError: when the two were measured under another protocol (mode, learning-rate grid, machine or
+            runs at once): such results replace the published ones whole or not at all.
+    """
+    for key in ("mode", "lr_grid", "machine", "jobs"):
+        if published[key] != results[key]:
+            raise ValueError(
+                f"the published results have {key}={published[key]!r} and these {results[key]!r}: "
+                "only results of the same protocol merge; run every mix to replace them"
+            )
+
+    def stamped(run: dict) -> dict:
+        return {name: {"commit": run["commit"], "wall_s": run["wall_s"], **mix} for name, mix in run["mixes"].items()}
+
+    mixes = {**stamped(published), **stamped(results)}
+    commits = [(name, mix["commit"]) for name, mix in mixes.items()]
+    merged = {
+        **results,
+        "mixes": mixes,
+        "commit": (
+            commits[0][1]
+            if len({commit for _, commit in commits}) == 1
+            else ", ".join(f"{commit} ({name})" for name, commit in commits)
+        ),
+        "wall_s": sum(mix["wall_s"] for mix in mixes.values()),
+    }
+    return finish(merged)
+
+
 def publish(results: dict) -> None:
-    """Keep the results in ``docs/compare/`` and write the tables into README.md and docs/packing.md."""
+    """Keep the results in ``docs/compare/`` and write the tables into README.md and docs/packing.md.
+
+    Results of some mixes only are merged into the published ones (``merge``): the other mixes keep theirs."""
+    if PUBLISHED.is_file():
+        published = load_published()
+        if set(published["mixes"]) - set(results["mixes"]):
+            results = merge(published, results)
     PUBLISHED.parent.mkdir(parents=True, exist_ok=True)
     PUBLISHED.write_text(json.dumps(results, indent=1) + "\n")
     for path, block in ((REPO / "README.md", readme_block(results)), (REPO / "docs" / "packing.md", render(results))):
@@ -343,7 +385,7 @@ def main() -> None:
         publish(results)
 
 
-__all__ = ["against", "at", "finish", "first_reaching", "mean_sd", "render", "readme_block", "publish", "draw"]
+__all__ = ["against", "at", "finish", "first_reaching", "mean_sd", "render", "readme_block", "merge", "publish", "draw"]
 
 
 if __name__ == "__main__":

@@ -129,3 +129,28 @@ def test_a_probe_logs_every_step_so_its_step_time_leaves_start_up_out(tmp_path):
     run = packing_value.Job("skewed", "grouped", 5e-3, 42, 4, shape, {"test": tmp_path / "val.jsonl"})
     assert "--recipe_args.log_every_steps=1" in packing_value.overrides(probe, tmp_path / "probe.jsonl")
     assert not any("log_every_steps" in each for each in packing_value.overrides(run, tmp_path / "train.jsonl"))
+
+
+def test_publishing_one_mix_keeps_the_others_with_the_commit_each_was_measured_at():
+    """``--mix skewed --publish`` replaces the skewed mix only: demo keeps its numbers and its commit."""
+    import copy
+
+    published = packing_report.load_published()
+    rerun = copy.deepcopy(published)
+    rerun["mixes"] = {"skewed": rerun["mixes"]["skewed"]}
+    rerun["mixes"]["skewed"]["budget_s"] = 999.0
+    rerun.update(commit="abcdef0", wall_s=600.0)
+    merged = packing_report.merge(published, rerun)
+    assert list(merged["mixes"]) == list(published["mixes"])
+    assert (
+        merged["mixes"]["demo"]["batchings"]
+        == packing_report.finish(copy.deepcopy(published))["mixes"]["demo"]["batchings"]
+    )
+    assert merged["mixes"]["skewed"]["budget_s"] == 999.0
+    assert merged["mixes"]["demo"]["commit"] == published["commit"]
+    assert merged["mixes"]["skewed"]["commit"] == "abcdef0"
+    assert merged["commit"] == f"{published['commit']} (demo), abcdef0 (skewed)"
+    assert merged["wall_s"] == pytest.approx(published["wall_s"] + 600.0)
+    assert "at abcdef0, 10 min" in packing_report.render(merged)
+    with pytest.raises(ValueError, match="mode='full'.*'quick'"):
+        packing_report.merge(published, dict(rerun, mode="quick"))
