@@ -167,12 +167,14 @@ def plan_turns(rng: random.Random, split: str, count: int, exclude: set[str] | N
 def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]]) -> list[dict]:
     """Conversations of the planned exchanges, every assistant turn the target's greedy answer in its context.
 
-    Each round runs every unfinished conversation once, whole, with its remaining planned answers as guesses
+    Each round runs every unfinished conversation once with its next planned answers as guesses
     (``packed_predictions``: conversations of any lengths share packed rows): a turn whose guess the target
     reproduces is verified in that forward, and so is the next, its context now known, until a turn's answer
-    differs from the plan; that turn is decoded on (``finish_greedy``) and the next round starts after it. The
-    text is what regenerating turn by turn gives (the target's greedy answer to the conversation so far); a long
-    conversation the target answers as planned costs one forward instead of one a turn.
+    differs from the plan; that turn is decoded on (``greedy_generate``, all conversations' at once) and the next
+    round starts after it. A conversation looks one planned turn ahead, twice as many after a round whose guesses
+    all held, one again after one that failed: a conversation the target answers as planned costs a few forwards
+    instead of one a turn, and one it answers otherwise does not re-run its whole plan every round. The text is
+    what regenerating turn by turn gives (the target's greedy answer to the conversation so far).
 
     Args:
         model: The demo target.
@@ -187,30 +189,34 @@ def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]]) -> list[di
     """
     messages: list[list[dict]] = [[] for _ in plans]
     done = [0 for _ in plans]  # exchanges regenerated, per conversation
+    ahead = [1 for _ in plans]  # planned exchanges a round verifies, per conversation
     eos = tokenizer.eos_token_id
     while active := [index for index, plan in enumerate(plans) if done[index] < len(plan)]:
-        encoded = []  # per active conversation: (tokens, prompt length) of it up to each remaining exchange
+        encoded = []  # per active conversation: (tokens, prompt length) of it up to each exchange verified
         for index in active:
             conversation, ends = list(messages[index]), []
-            for exchange in plans[index][done[index] :]:
+            for exchange in plans[index][done[index] : done[index] + ahead[index]]:
                 conversation += exchange
                 ends.append(encode_conversation(tokenizer, conversation))
             encoded.append(ends)
         predicted = packed_predictions(model, [ends[-1][0] for ends in encoded])
         stalled = []  # (conversation, prompt tokens, verified start of the answer)
         for index, ends, row in zip(active, encoded, predicted, strict=True):
-            whole = ends[-1][0]
+            whole, held = ends[-1][0], True
             for full, prompt in ends:
                 if whole[: len(full)] != full:
                     raise ValueError("the chat template renders a conversation's turns differently once more follow")
                 tokens = follow_guess(row, prompt, full[prompt:], MAX_NEW_TOKENS, eos)
                 if not is_finished(tokens, MAX_NEW_TOKENS, eos):
                     stalled.append((index, full[:prompt], tokens))
+                    held = False
                     break
                 answer, planned = _answer(tokenizer, tokens), plans[index][done[index]][-1]["content"]
                 _answer_turn(messages, done, plans, index, answer)
                 if answer != planned:
+                    held = False
                     break  # the later turns were run after the planned answer, not this one
+            ahead[index] = 2 * ahead[index] if held else 1
         if stalled:
             indices, prompts, started = zip(*stalled)
             for index, tokens in zip(indices, finish_greedy(model, prompts, started, MAX_NEW_TOKENS, eos)):

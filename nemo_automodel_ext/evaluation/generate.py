@@ -1,9 +1,10 @@
 """Greedy continuations of a V4.1 target, for data regeneration and acceptance evaluation.
 
-The V4.1 training model has no KV cache, so every step re-runs the rows (``causal_logits``: the packed
-path, prefix-consistent, as the capture and the replay see the target); prompts of one length
-decode together in lockstep, so no row needs padding. Meant for small targets (the tiny recipe,
-tests); a Flash-sized target regenerates its data through a serving engine (``docs/recipes.md``).
+The V4.1 training model has no KV cache, so every step re-runs the sequences through the packed path
+(``packed_predictions``: prefix-consistent, as the capture and the replay see the target); sequences of
+any lengths run together as documents of shared rows, each row sized to its members' length class.
+Meant for small targets (the tiny recipe, tests); a Flash-sized target regenerates its data through a
+serving engine (``docs/recipes.md``).
 
 A guessed continuation (a dataset answer the target probably reproduces) is verified with one
 forward, as speculative decoding verifies a draft: its longest prefix that the target's argmax
@@ -53,12 +54,15 @@ def packed_predictions(
 
     Sequences of any lengths share packed rows (``pack_sequences``, longest first), each its own
     document of the packed path, so one forward verifies them all: column t of a sequence depends on
-    its tokens 0..t only, as in ``causal_logits`` on the sequence alone.
+    its tokens 0..t only, as in ``causal_logits`` on the sequence alone. A sequence goes into rows of
+    its length class (``row_width``: the power of two at or above it, at least 64, at most ``width``),
+    so short sequences never share a wide row: the eager attention's cost a token grows with the row's
+    width (a dense [row, row] score a head), and a class row is at most twice its longest member.
 
     Args:
         model: ``DeepseekV41ForCausalLM``; its indexers are switched to the segmented selection.
         sequences: Token ids of each sequence (non-empty).
-        width: Packed row width; a longer sequence gets a row of its own.
+        width: Widest packed row; a longer sequence gets a row of its own.
         max_batch_tokens: Rows run together are capped at this many tokens (at least one row).
 
     Returns:
@@ -70,22 +74,33 @@ def packed_predictions(
     install_packed_indexer(model)
     device = next(model.parameters()).device
     pad = model.config.text_config.pad_token_id or 0
-    order = sorted(range(len(sequences)), key=lambda index: -len(sequences[index]))
-    packed = [EvalSequence(tuple(sequences[index])) for index in order]
-    for position, index in enumerate(order):
-        if not packed[position].prompt:
+    for index, sequence in enumerate(sequences):
+        if len(sequence) == 0:
             raise ValueError(f"sequences[{index}] is empty")
+    classes: dict[int, list[int]] = defaultdict(list)
+    for index in sorted(range(len(sequences)), key=lambda index: -len(sequences[index])):
+        classes[row_width(len(sequences[index]), width)].append(index)
     predicted: list[list[int]] = [[] for _ in sequences]
-    for batch in pack_sequences(packed, width, max(1, max_batch_tokens // width), pad):
-        layout, inputs = prepare_packed_inputs(model, batch["input_ids"].to(device), batch["seq_lens"].to(device))
-        rows = layout.restore(model(**inputs).logits).argmax(dim=-1).tolist()
-        for row, (lengths, members) in enumerate(zip(batch["seq_lens"].tolist(), batch["sequence_index"].tolist())):
-            column = 0
-            for length, member in zip(lengths, members):
-                if member >= 0:
-                    predicted[order[member]] = rows[row][column : column + length]
-                column += length
+    for class_width, members in classes.items():
+        packed = [EvalSequence(tuple(sequences[index])) for index in members]
+        for batch in pack_sequences(packed, class_width, max(1, max_batch_tokens // class_width), pad):
+            layout, inputs = prepare_packed_inputs(model, batch["input_ids"].to(device), batch["seq_lens"].to(device))
+            rows = layout.restore(model(**inputs).logits).argmax(dim=-1).tolist()
+            for row, (lengths, slots) in enumerate(zip(batch["seq_lens"].tolist(), batch["sequence_index"].tolist())):
+                column = 0
+                for length, slot in zip(lengths, slots):
+                    if slot >= 0:
+                        predicted[members[slot]] = rows[row][column : column + length]
+                    column += length
     return predicted
+
+
+def row_width(length: int, width: int, narrowest: int = 64) -> int:
+    """The packed row a sequence of ``length`` tokens runs in: the power of two at or above it, at least
+    ``narrowest`` and at most ``width``; a sequence longer than ``width`` runs alone, as wide as it."""
+    if length > width:
+        return length
+    return min(width, max(narrowest, 1 << (length - 1).bit_length()))
 
 
 @torch.no_grad()
@@ -99,12 +114,16 @@ def greedy_generate(
 ) -> list[list[int]]:
     """Decode each prompt greedily with ``model``.
 
+    Every step runs all unfinished sequences at once, prompts of any lengths packed as documents of
+    shared rows (``packed_predictions``), so a batch of distinct lengths costs one forward a token, not
+    one a token and length.
+
     Args:
-        model: ``DeepseekV41ForCausalLM``, run through the packed path (``causal_logits``).
+        model: ``DeepseekV41ForCausalLM``, run through the packed path (``packed_predictions``).
         prompts: Token ids of each prompt (non-empty).
         max_new_tokens: Most tokens generated per prompt (positive).
         eos_token_id: Generation of a prompt stops after this token (kept); None: never.
-        max_batch_tokens: Rows decoded together are capped so rows x final length stays below this.
+        max_batch_tokens: Rows run together are capped at this many tokens.
         guesses: Optional guessed continuation of each prompt, verified first (see the module).
 
     Returns:
@@ -121,31 +140,18 @@ def greedy_generate(
         return _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_batch_tokens)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    by_length: dict[int, list[int]] = defaultdict(list)
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompts[{index}] is empty: a continuation needs at least one prompt token")
-        by_length[len(prompt)].append(index)
-    device = next(model.parameters()).device
     results: list[list[int]] = [[] for _ in prompts]
-    for length, indices in by_length.items():
-        rows_per_chunk = max(1, max_batch_tokens // (length + max_new_tokens))
-        for begin in range(0, len(indices), rows_per_chunk):
-            chunk = indices[begin : begin + rows_per_chunk]
-            ids = torch.tensor([list(prompts[i]) for i in chunk], dtype=torch.long, device=device)
-            finished = torch.zeros(len(chunk), dtype=torch.bool, device=device)
-            for _ in range(max_new_tokens):
-                step = causal_logits(model, ids)[:, -1].argmax(dim=-1)
-                ids = torch.cat((ids, step.unsqueeze(1)), dim=1)
-                if eos_token_id is not None:
-                    finished |= step == eos_token_id
-                    if bool(finished.all()):
-                        break
-            for row, index in enumerate(chunk):
-                generated = ids[row, length:].tolist()
-                if eos_token_id is not None and eos_token_id in generated:
-                    generated = generated[: generated.index(eos_token_id) + 1]
-                results[index] = generated
+    active = list(range(len(prompts)))
+    while active:
+        rows = packed_predictions(
+            model, [[*prompts[i], *results[i]] for i in active], max_batch_tokens=max_batch_tokens
+        )
+        for index, row in zip(active, rows):
+            results[index].append(row[-1])
+        active = [index for index in active if not is_finished(results[index], max_new_tokens, eos_token_id)]
     return results
 
 
@@ -212,25 +218,18 @@ def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_b
     """``greedy_generate`` with each guess verified by one forward; only the unverified rest is decoded."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for index, (prompt, guess) in enumerate(zip(prompts, guesses)):
+    for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompts[{index}] is empty: a continuation needs at least one prompt token")
-        by_length[len(prompt) + min(len(guess), max_new_tokens)].append(index)
-    device = next(model.parameters()).device
-    verified: list[list[int]] = [[] for _ in prompts]
-    for length, indices in by_length.items():
-        rows_per_chunk = max(1, max_batch_tokens // length)
-        for begin in range(0, len(indices), rows_per_chunk):
-            chunk = indices[begin : begin + rows_per_chunk]
-            rows = [[*prompts[i], *guesses[i][:max_new_tokens]] for i in chunk]
-            predicted = (
-                causal_logits(model, torch.tensor(rows, dtype=torch.long, device=device)).argmax(dim=-1).tolist()
-            )
-            for row, index in enumerate(chunk):
-                verified[index] = follow_guess(
-                    predicted[row], len(prompts[index]), guesses[index], max_new_tokens, eos_token_id
-                )
+    rows = packed_predictions(
+        model,
+        [[*prompt, *guess[:max_new_tokens]] for prompt, guess in zip(prompts, guesses)],
+        max_batch_tokens=max_batch_tokens,
+    )
+    verified = [
+        follow_guess(row, len(prompt), guess, max_new_tokens, eos_token_id)
+        for row, prompt, guess in zip(rows, prompts, guesses)
+    ]
     return finish_greedy(model, prompts, verified, max_new_tokens, eos_token_id, max_batch_tokens)
 
 
@@ -241,4 +240,5 @@ __all__ = [
     "greedy_generate",
     "is_finished",
     "packed_predictions",
+    "row_width",
 ]

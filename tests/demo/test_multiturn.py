@@ -68,3 +68,23 @@ def test_whole_conversation_verification_equals_turn_by_turn_regeneration():
         reference.append({"messages": messages})
     assert regenerate_turns(model, tokenizer, plans) == reference
     assert [m["content"] for m in reference[1]["messages"][:2]] != [m["content"] for m in plans[1][0]]
+
+
+def test_a_conversation_answered_as_planned_takes_a_round_a_doubling_of_its_turns(monkeypatch):
+    """With the target's own answers as the plan, a round verifies 1, 2, 4, ... turns of each conversation: a
+    15-turn conversation takes 4 packed forwards (1 + 2 + 4 + 8 turns), not 15, and the text is unchanged."""
+    from nemo_automodel_ext.demo import tiny_assets
+    from nemo_automodel_ext.demo.tiny_assets import plan_turns, regenerate_turns
+
+    model, tokenizer, rng = load_demo_target(), build_tokenizer(), random.Random(6)
+    plans = [plan_turns(rng, "train", count) for count in (15, 3)]
+    regenerated = regenerate_turns(model, tokenizer, plans)
+    own = [
+        [sample["messages"][turn : turn + 2] for turn in range(0, len(sample["messages"]), 2)] for sample in regenerated
+    ]
+    forwards = []
+    predict = tiny_assets.packed_predictions
+    monkeypatch.setattr(tiny_assets, "packed_predictions", lambda *a, **k: forwards.append(1) or predict(*a, **k))
+    monkeypatch.setattr(tiny_assets, "finish_greedy", None)  # nothing is decoded: every guess holds
+    assert regenerate_turns(model, tokenizer, own) == regenerated
+    assert len(forwards) == 4
