@@ -281,10 +281,13 @@ def merge(published: dict, results: dict) -> dict:
     return finish(merged)
 
 
-def publish(results: dict) -> None:
+def publish(results: dict) -> dict:
     """Keep the results in ``docs/compare/`` and write the tables into README.md and docs/packing.md.
 
-    Results of some mixes only are merged into the published ones (``merge``): the other mixes keep theirs."""
+    Results of some mixes only are merged into the published ones (``merge``): the other mixes keep theirs.
+
+    Returns:
+        The results published (merged where they were): what the picture of the docs must be drawn from."""
     if PUBLISHED.is_file():
         published = load_published()
         if set(published["mixes"]) - set(results["mixes"]):
@@ -294,6 +297,7 @@ def publish(results: dict) -> None:
     for path, block in ((REPO / "README.md", readme_block(results)), (REPO / "docs" / "packing.md", render(results))):
         path.write_text(replace_block(path.read_text(), block, str(path)))
     print(f"published: {PUBLISHED}, README.md, docs/packing.md")
+    return results
 
 
 def band(runs: list[dict], grid: int = 60) -> tuple[list[float], list[float], list[float]]:

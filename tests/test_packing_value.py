@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -138,7 +139,7 @@ def test_publishing_one_mix_keeps_the_others_with_the_commit_each_was_measured_a
     published = packing_report.load_published()
     rerun = copy.deepcopy(published)
     rerun["mixes"] = {"skewed": rerun["mixes"]["skewed"]}
-    rerun["mixes"]["skewed"]["budget_s"] = 999.0
+    rerun["mixes"]["skewed"].update(budget_s=999.0, commit="abcdef0", wall_s=600.0)  # as packing_value stamps it
     rerun.update(commit="abcdef0", wall_s=600.0)
     merged = packing_report.merge(published, rerun)
     assert list(merged["mixes"]) == list(published["mixes"])
@@ -147,10 +148,31 @@ def test_publishing_one_mix_keeps_the_others_with_the_commit_each_was_measured_a
         == packing_report.finish(copy.deepcopy(published))["mixes"]["demo"]["batchings"]
     )
     assert merged["mixes"]["skewed"]["budget_s"] == 999.0
-    assert merged["mixes"]["demo"]["commit"] == published["commit"]
+    demo = published["mixes"]["demo"]
+    assert merged["mixes"]["demo"]["commit"] == demo["commit"]
     assert merged["mixes"]["skewed"]["commit"] == "abcdef0"
-    assert merged["commit"] == f"{published['commit']} (demo), abcdef0 (skewed)"
-    assert merged["wall_s"] == pytest.approx(published["wall_s"] + 600.0)
+    assert merged["commit"] == f"{demo['commit']} (demo), abcdef0 (skewed)"
+    assert merged["wall_s"] == pytest.approx(demo["wall_s"] + 600.0)
     assert "at abcdef0, 10 min" in packing_report.render(merged)
     with pytest.raises(ValueError, match="mode='full'.*'quick'"):
         packing_report.merge(published, dict(rerun, mode="quick"))
+
+
+def test_publishing_one_mix_returns_every_mix_for_the_picture(tmp_path, monkeypatch):
+    """``publish`` returns the merged results, which ``packing_value.main`` draws: a run of the skewed mix alone
+    once drew a picture without the demo mix beside tables that still had it."""
+    import copy
+
+    for name in ("README.md", "docs/packing.md", "docs/compare/packing_value.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text((REPO / name).read_text())
+    monkeypatch.setattr(packing_report, "REPO", tmp_path)
+    monkeypatch.setattr(packing_report, "PUBLISHED", tmp_path / "docs/compare/packing_value.json")
+    rerun = copy.deepcopy(packing_report.load_published())
+    rerun["mixes"] = {"skewed": rerun["mixes"]["skewed"]}
+    rerun["mixes"]["skewed"].update(commit="abcdef0", wall_s=600.0)
+    rerun.update(commit="abcdef0", wall_s=600.0)
+    drawn = packing_report.publish(rerun)
+    assert list(drawn["mixes"]) == ["demo", "skewed"]
+    assert "abcdef0 (skewed)" in (tmp_path / "README.md").read_text()
+    assert json.loads(json.dumps(drawn)) == packing_report.load_published()  # what was written, tuples as lists
