@@ -43,10 +43,11 @@ def main() -> None:
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
 
     from nemo_automodel_ext.planning.layouts import layout_from_config
-    from nemo_automodel_ext.planning.memory_model import GIB, estimate, indexer_bytes, model_counts
+    from nemo_automodel_ext.planning.memory_model import GIB, Calibration, estimate, indexer_bytes, model_counts
     from nemo_automodel_ext.run.config import validate_recipe_config
     from nemo_automodel_ext.run.loading import target_text_config
 
+    calibration_pair = Calibration.shipped().moe_pair
     recipes = options.recipes or [REPO / "recipes" / "deepseek_v41" / name for name in GPU_RECIPES]
     counted = {}
     for path in recipes:
@@ -83,6 +84,14 @@ def main() -> None:
         print(f"| **total (peak phase: {result.peak_phase})** | **{result.total / GIB:.1f}** |")
         print(f"| usable ({gib:g} GiB x 0.92) | {result.usable / GIB:.1f} |")
         print(f"| headroom | {result.headroom / GIB:.1f} |")
+        extra = ", ".join(f"{phase} +{value / GIB:.1f}" for phase, value in result.imbalance.items() if value)
+        tolerance = result.imbalance_tolerance()
+        print(
+            f"\nRouting imbalance (the totals assume balanced routing): +100% load on an expert group's busiest rank "
+            f"adds at most {extra or 'nothing'} GiB (the capture's MoE block at the measured "
+            f"{calibration_pair / 1e3:.0f} kB a routed pair, the draft's dispatch buffers); this layout fits up to "
+            + ("any load." if tolerance == float("inf") else f"+{100 * tolerance:.0f}% on the busiest rank.")
+        )
         print("\n| sent per GPU per micro-batch | MiB |\n| --- | ---: |")
         for name, value in result.traffic.items():
             print(f"| {name} | {value / 2**20:,.1f} |")

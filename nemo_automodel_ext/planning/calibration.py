@@ -49,6 +49,7 @@ from nemo_automodel_ext.planning.allocations import LiveBytes
 
 CALIBRATION_FILE = "calibration.json"
 TOKENS = (1024, 2048, 4096, 8192)  # single-document rows of the capture phase
+MOE_TOKENS = (1024, 2048)  # tokens of one MoE block alone (the bytes of a routed pair)
 # (anchors, document tokens) of the draft-step phase: at 64 anchors and more the step's peak is the loss's
 # backward, whose bytes grow with the anchors (below it is the frozen head's fp32 copy, a constant).
 DRAFT_STEPS = ((64, 2048), (128, 2048), (256, 2048), (64, 4096), (64, 8192))
@@ -191,6 +192,31 @@ def measure_capture(target, tokens: int) -> dict[str, int]:
     held = tape.reset_peak()
     del captured
     return {"peak": peak, "captured": held}
+
+
+def measure_moe(target, tokens: int) -> int:
+    """Peak bytes of one target MoE block (the last layer's gate, routed and shared experts) on ``tokens`` tokens.
+
+    The block runs alone, without autograd, on a bf16 input made outside the tape, as it runs in a capture.
+    Its slope in tokens, divided by ``num_experts_per_tok``, is the bytes a routed pair costs the rank that
+    computes it (``moe_pair`` in the record): on the busiest rank of an unbalanced expert-parallel group the
+    pairs, not the tokens, set the block's peak (``Estimate.imbalance``). The CPU stand-in runs upstream's
+    ``GroupedExperts`` torch path; a GPU's grouped GEMM keeps its intermediates in bf16, so this is an upper
+    bound there.
+
+    Returns:
+        Bytes alive at the block's peak above its input and weights (its output included).
+    """
+    text = target.config.text_config
+    block = list(target.model.layers.values())[-1].ffn
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(1, tokens, int(text.hidden_size), generator=generator).to(torch.bfloat16)
+    hidden = hidden.to(next(target.parameters()).device)
+    tape = LiveBytes()
+    with torch.no_grad(), tape:
+        output = block(hidden)
+    del output
+    return tape.peak
 
 
 def build_calibration_draft(anchors: int, seed: int = 1, device: str | torch.device = "cpu"):
@@ -352,9 +378,21 @@ def fit(points: list[list[float]], degree: int = 1) -> list[float]:
     return torch.linalg.lstsq(design, measured).solution.squeeze(1).tolist()
 
 
+def moe_pair(points: list[list[float]], topk: int) -> float:
+    """Bytes a routed pair adds to an MoE block's peak: the slope of ``measure_moe``'s points, per routed pair."""
+    (first, first_bytes), (last, last_bytes) = points[0], points[-1]
+    return (last_bytes - first_bytes) / (last - first) / topk
+
+
 def calibrate(log=print) -> dict[str, Any]:
     """Measure every phase and fit it (about 7 minutes on 2 cores, 12 GB of memory). Returns the calibration record."""
-    points: dict[str, list[list[float]]] = {"capture": [], "captured": [], "draft_step": [], "draft_gradients": []}
+    points: dict[str, list[list[float]]] = {
+        "capture": [],
+        "captured": [],
+        "moe": [],
+        "draft_step": [],
+        "draft_gradients": [],
+    }
     points.update({f"draft {window}": [] for window in DRAFT_WINDOWS})
     with cpu_stand_ins():
         target = build_calibration_target()
@@ -363,6 +401,8 @@ def calibrate(log=print) -> dict[str, Any]:
             points["capture"].append([tokens, measured["peak"]])
             points["captured"].append([tokens, measured["captured"]])
             log(f"capture {tokens} tokens: peak {measured['peak'] / 2**20:.1f} MiB")
+        for tokens in MOE_TOKENS:
+            points["moe"].append([tokens, measure_moe(target, tokens)])
         del target
         trainer = build_calibration_draft(DRAFT_STEPS[0][0])
         for anchors, tokens in DRAFT_STEPS:
@@ -388,6 +428,7 @@ def calibrate(log=print) -> dict[str, Any]:
         "coefficients": {
             "capture": fit(points["capture"], 2),
             "captured": fit(points["captured"], 1),
+            "moe_pair": [moe_pair(points["moe"], int(calibration_config().text_config.num_experts_per_tok))],
             "draft_step": fit(points["draft_step"]),
             "draft_gradients": [max(p[-1] for p in points["draft_gradients"])],
             **{f"draft {window}": fit(points[f"draft {window}"]) for window in DRAFT_WINDOWS},

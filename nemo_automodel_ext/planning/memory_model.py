@@ -104,6 +104,7 @@ class Calibration:
         optimizer_state: AdamW state bytes per trainable parameter (bf16 moments).
         optimizer_transient: Bytes per trainable parameter alive during AdamW's step beyond its state.
         widths: The config widths measured; the model refuses other widths.
+        moe_pair: Bytes a routed pair adds to one target MoE block's peak (``calibration.measure_moe``).
     """
 
     capture: tuple[float, float, float]
@@ -113,6 +114,7 @@ class Calibration:
     optimizer_transient: float
     widths: dict[str, int]
     draft_windows: dict[str, tuple[float, float, float]]
+    moe_pair: float = 0.0
 
     @classmethod
     def shipped(cls) -> Calibration:
@@ -129,6 +131,7 @@ class Calibration:
             optimizer_transient=coefficients["optimizer_transient"][0],
             widths=dict(record["widths"]),
             draft_windows={window: tuple(coefficients[f"draft {window}"]) for window in DRAFT_WINDOWS},
+            moe_pair=coefficients["moe_pair"][0],
         )
 
     def mismatches(self, widths: dict[str, int]) -> str:
@@ -159,6 +162,10 @@ class Estimate:
         peak_phase: The phase whose parts are in ``memory``.
         groups: The ranks each traffic entry crosses: ``world`` (FSDP over every rank), ``ep`` (the
             target's EP group), ``cp`` (a CP group) or ``draft_ep`` (a draft expert group).
+        imbalance: By phase, the bytes a GPU holds beyond the phase's total when the busiest rank of an
+            expert group computes twice its balanced share of routed pairs (+100% load): the capture's MoE
+            block at the measured bytes a pair, the draft's dispatch buffers. An upper bound: the whole
+            block's per-token bytes are charged to pairs. The totals above assume balanced routing.
     """
 
     memory: dict[str, float]
@@ -167,6 +174,7 @@ class Estimate:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     peak_phase: str = ""
     groups: dict[str, str] = field(default_factory=dict)
+    imbalance: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -184,6 +192,12 @@ class Estimate:
     def headroom(self) -> float:
         """Usable bytes left (negative when the layout does not fit)."""
         return self.usable - self.total
+
+    def imbalance_tolerance(self) -> float:
+        """The largest extra load on a group's busiest rank that still fits, as a fraction of its balanced
+        pairs (1.0: +100%), by the phase that runs out first; ``inf`` when no phase grows with it."""
+        room = [(self.usable - self.phase_total(phase)) / extra for phase, extra in self.imbalance.items() if extra > 0]
+        return max(0.0, min(room)) if room else math.inf
 
     def phase_total(self, phase: str) -> float:
         """Bytes a GPU holds during ``phase``: every phase's resident parts plus the phase's own."""
@@ -417,7 +431,14 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
             "draft EP dispatch": "draft_ep",
         }
     )
-    return Estimate(memory, traffic, layout, phases, peak_phase, groups)
+    # +100% load on the busiest rank: twice its balanced routed pairs. A capture runs one MoE block at a time
+    # (no autograd); the draft's pair-sized buffers are its dispatch buffers (its activations are checkpointed).
+    imbalance = {
+        "capture": calibration.moe_pair * local_tokens * w["topk"] if layout.ep > 1 else 0.0,
+        "draft forward": dispatch_buffers,
+        "draft layers backward": dispatch_buffers,
+    }
+    return Estimate(memory, traffic, layout, phases, peak_phase, groups, imbalance)
 
 
 __all__ = [

@@ -11,6 +11,7 @@ from nemo_automodel_ext.planning.allocations import LiveBytes, peak_bytes
 from nemo_automodel_ext.planning.calibration import (
     DRAFT_STEPS,
     DRAFT_WINDOWS,
+    MOE_TOKENS,
     TOKENS,
     build_calibration_draft,
     build_calibration_target,
@@ -19,7 +20,9 @@ from nemo_automodel_ext.planning.calibration import (
     load_calibration,
     measure_capture,
     measure_draft_step,
+    measure_moe,
     measure_optimizer,
+    moe_pair,
 )
 from nemo_automodel_ext.planning.memory_model import Calibration, Layout, estimate, model_counts
 
@@ -63,6 +66,8 @@ def test_coefficients_are_the_fit_of_the_stored_measurements():
     points, coefficients = record["points"], record["coefficients"]
     assert fit(points["capture"], 2) == pytest.approx(coefficients["capture"], rel=1e-9)
     assert fit(points["captured"], 1) == pytest.approx(coefficients["captured"], rel=1e-9, abs=1e-3)
+    assert [p[0] for p in points["moe"]] == list(MOE_TOKENS)
+    assert coefficients["moe_pair"] == [pytest.approx(moe_pair(points["moe"], 6), rel=1e-12)]  # Flash: top-6
     assert fit(points["draft_step"]) == pytest.approx(coefficients["draft_step"], rel=1e-9)
     for window in DRAFT_WINDOWS:
         assert fit(points[f"draft {window}"]) == pytest.approx(coefficients[f"draft {window}"], rel=1e-9)
@@ -85,7 +90,8 @@ def test_coefficients_are_the_fit_of_the_stored_measurements():
 def test_two_points_of_every_slope_re_measure_to_the_stored_bytes():
     """Flash widths on CPU (about 7 GB and 4 minutes): two capture rows (the slope in tokens), the draft step at
     64 and 128 anchors (the slope in anchors) and at 2k and 4k tokens (the slope in tokens), counted again now,
-    equal the shipped record byte for byte, and so does the optimizer's state. A term whose slope drifts (as the
+    equal the shipped record byte for byte, and so do one MoE block's at two token counts (the bytes a routed
+    pair costs, ``Estimate.imbalance``) and the optimizer's state. A term whose slope drifts (as the
     draft's anchor slope did when the calibration stood in a fused SDPA for CUDA's math kernel) fails here."""
     record = load_calibration()
     points = record["points"]
@@ -95,6 +101,8 @@ def test_two_points_of_every_slope_re_measure_to_the_stored_bytes():
             measured = measure_capture(target, TOKENS[index])
             assert [TOKENS[index], measured["peak"]] == points["capture"][index]
             assert [TOKENS[index], measured["captured"]] == points["captured"][index]
+        for index, tokens in enumerate(MOE_TOKENS):  # both points of the bytes a routed pair costs
+            assert [tokens, measure_moe(target, tokens)] == points["moe"][index]
         del target
         gc.collect()
         trainer = build_calibration_draft(DRAFT_STEPS[0][0])

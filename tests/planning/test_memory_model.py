@@ -17,6 +17,7 @@ from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend, tiny_target
 from nemo_automodel_ext.planning.layouts import check_layout_fits, layout_from_config
 from nemo_automodel_ext.planning.memory_model import (
     GIB,
+    Calibration,
     Layout,
     draft_ep_passes,
     engram_table_parameters,
@@ -85,6 +86,31 @@ def test_gpu_recipes_fit_with_the_headroom_they_state(flash, name):
         round(result.usable / GIB, 1),
         round(result.headroom / GIB, 1),
     ]
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+def test_routing_imbalance_is_charged_by_the_pairs_of_the_busiest_rank(flash, name):
+    """+100% load on a group's busiest rank: the capture's MoE block holds twice its pairs at the measured bytes a
+    pair, the draft's dispatch buffers double; the tolerance is the phase that runs out first. Both shipped
+    recipes tolerate at least +100%."""
+    text, counts = flash
+    cfg = load_yaml_config(REPO / "recipes" / "deepseek_v41" / name)
+    gpus, gib = GPU_RECIPES[name]
+    layout = layout_from_config(cfg, validate_recipe_config(cfg, gpus, "cuda", require_packages=False), gpus, gib)
+    result = estimate(counts, layout)
+    pair = Calibration.shipped().moe_pair
+    local_tokens = layout.rows * layout.row_tokens / layout.cp
+    assert result.imbalance["capture"] == pytest.approx(pair * local_tokens * text.num_experts_per_tok)
+    for phase in ("draft forward", "draft layers backward"):
+        assert result.imbalance[phase] == result.phases[phase]["draft EP dispatch buffers"] > 0
+    tolerance = result.imbalance_tolerance()
+    assert tolerance == pytest.approx(
+        min((result.usable - result.phase_total(p)) / extra for p, extra in result.imbalance.items())
+    )
+    assert tolerance >= 1.0
+    # Without expert parallelism every rank computes its own tokens' pairs: nothing to be unbalanced.
+    alone = estimate(counts, replace(layout, ep=1, draft_ep=1))
+    assert alone.imbalance_tolerance() == float("inf")
 
 
 def test_eight_h100_nodes_need_the_draft_s_experts_on_ep(flash):
