@@ -194,28 +194,32 @@ def measure_capture(target, tokens: int) -> dict[str, int]:
     return {"peak": peak, "captured": held}
 
 
-def measure_moe(target, tokens: int) -> int:
-    """Peak bytes of one target MoE block (the last layer's gate, routed and shared experts) on ``tokens`` tokens.
+def run_moe(target, tokens: int, mode: contextlib.AbstractContextManager) -> None:
+    """One target MoE block (the last layer's gate, routed and shared experts) on ``tokens`` tokens under ``mode``.
 
-    The block runs alone, without autograd, on a bf16 input made outside the tape, as it runs in a capture.
-    Its slope in tokens, divided by ``num_experts_per_tok``, is the bytes a routed pair costs the rank that
-    computes it (``moe_pair`` in the record): on the busiest rank of an unbalanced expert-parallel group the
-    pairs, not the tokens, set the block's peak (``Estimate.imbalance``). The CPU stand-in runs upstream's
-    ``GroupedExperts`` torch path; a GPU's grouped GEMM keeps its intermediates in bf16, so this is an upper
-    bound there.
-
-    Returns:
-        Bytes alive at the block's peak above its input and weights (its output included).
+    The block runs alone, without autograd, on a bf16 input made outside ``mode``, as it runs in a capture; its
+    output is dropped at once.
     """
     text = target.config.text_config
     block = list(target.model.layers.values())[-1].ffn
     generator = torch.Generator().manual_seed(tokens)
     hidden = torch.randn(1, tokens, int(text.hidden_size), generator=generator).to(torch.bfloat16)
     hidden = hidden.to(next(target.parameters()).device)
+    with torch.no_grad(), mode:
+        block(hidden)
+
+
+def measure_moe(target, tokens: int) -> int:
+    """Peak bytes of one target MoE block on ``tokens`` tokens (``run_moe``), above its input and weights.
+
+    Its slope in tokens, divided by ``num_experts_per_tok``, is the bytes a routed pair costs the rank that
+    computes it (``moe_pair`` in the record): on the busiest rank of an unbalanced expert-parallel group the
+    pairs, not the tokens, set the block's peak (``Estimate.imbalance``). The CPU stand-in runs upstream's
+    ``GroupedExperts`` torch path; a GPU's grouped GEMM keeps its intermediates in bf16, so this is an upper
+    bound there (``benchmarks/gpu_check.py`` measures the block on CUDA).
+    """
     tape = LiveBytes()
-    with torch.no_grad(), tape:
-        output = block(hidden)
-    del output
+    run_moe(target, tokens, tape)
     return tape.peak
 
 
