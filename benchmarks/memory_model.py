@@ -89,7 +89,8 @@ def main() -> None:
         print(
             f"\nRouting imbalance (the totals assume balanced routing): +100% load on an expert group's busiest rank "
             f"adds at most {extra or 'nothing'} GiB (the capture's MoE block at the measured "
-            f"{calibration_pair / 1e3:.0f} kB a routed pair, the draft's dispatch buffers); this layout fits up to "
+            f"{calibration_pair / 1e3:.0f} kB a routed pair; a draft layer's dispatch buffers and MoE block); "
+            "this layout fits up to "
             + ("any load." if tolerance == float("inf") else f"+{100 * tolerance:.0f}% on the busiest rank.")
         )
         print("\n| sent per GPU per micro-batch | MiB |\n| --- | ---: |")

@@ -164,8 +164,8 @@ class Estimate:
             target's EP group), ``cp`` (a CP group) or ``draft_ep`` (a draft expert group).
         imbalance: By phase, the bytes a GPU holds beyond the phase's total when the busiest rank of an
             expert group computes twice its balanced share of routed pairs (+100% load): the capture's MoE
-            block at the measured bytes a pair, the draft's dispatch buffers. An upper bound: the whole
-            block's per-token bytes are charged to pairs. The totals above assume balanced routing.
+            block at the measured bytes a pair, a draft layer's dispatch buffers and MoE block. An upper
+            bound: the whole block's per-token bytes are charged to pairs. The totals assume balanced routing.
     """
 
     memory: dict[str, float]
@@ -432,11 +432,13 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         }
     )
     # +100% load on the busiest rank: twice its balanced routed pairs. A capture runs one MoE block at a time
-    # (no autograd); the draft's pair-sized buffers are its dispatch buffers (its activations are checkpointed).
+    # (no autograd); a draft layer's forward (and its recompute) holds its dispatch buffers and its MoE block's
+    # intermediates, at the target's measured bytes a pair (the draft's experts have the target's widths).
+    draft_pairs = calibration.moe_pair * draft_tokens * w["draft_topk"] if layout.draft_ep > 1 else 0.0
     imbalance = {
         "capture": calibration.moe_pair * local_tokens * w["topk"] if layout.ep > 1 else 0.0,
-        "draft forward": dispatch_buffers,
-        "draft layers backward": dispatch_buffers,
+        "draft forward": dispatch_buffers + draft_pairs,
+        "draft layers backward": dispatch_buffers + draft_pairs,
     }
     return Estimate(memory, traffic, layout, phases, peak_phase, groups, imbalance)
 
