@@ -105,6 +105,11 @@ class PackedDSparkLoopHooks:
         self._export_last_checkpoint()
         if self.dist_env.is_main and (self.output_dir / "metrics.jsonl").exists():
             logger.info("training curves: %s", plot_training_curves(self.output_dir / "metrics.jsonl"))
+        # Every rank leaves together, so none tears its process groups down (upstream's atexit
+        # destroy_process_group) while rank 0 still draws: a gloo rank 1 that exited during the drawing
+        # aborted at exit once in CI ("terminate called without an active exception"), its work all done.
+        if dist.is_initialized():
+            dist.barrier()
 
     def _export_last_checkpoint(self) -> None:
         """Rank 0 writes (or validates) the last checkpoint's ``model/consolidated/`` (``export.py``), once every
