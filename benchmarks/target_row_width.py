@@ -8,8 +8,9 @@ One frozen forward of the demo target (``prepare_packed_inputs`` + the model, wh
 upstream's eager attention, which scores every query against the whole row (a dense [row, row + row / ratio]
 matrix a head, masked to the document and window), so its cost a token grows with the row's width although each
 query reads only its window and selected blocks. TileLang's sparse path on a GPU reads indices instead
-(``attention.py``), so this is a CPU figure: it is why ``packed_predictions`` sizes rows to their members
-(``evaluation/generate.py``, ``row_width``) and why a CPU comparison at 2,048-token rows charges packing a cost a
+(``attention.py``), so this is a CPU figure: it is why ``packed_predictions`` sizes rows to their members and the
+capture runs a packed batch in length classes where that pays (``models/deepseek_v41/length_classes.py``,
+``benchmarks/capture_length_classes.py``), and why a CPU comparison at 2,048-token rows charged packing a cost a
 GPU run does not pay (docs/packing.md).
 
 Prints tokens a second (best of ``--repeats``), user and system CPU seconds of that forward, and the ratio to the

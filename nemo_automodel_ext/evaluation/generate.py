@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
+from nemo_automodel_ext.models.deepseek_v41.length_classes import class_widths
 from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 
 
@@ -55,7 +56,8 @@ def packed_predictions(
     Sequences of any lengths share packed rows (``pack_sequences``, longest first), each its own
     document of the packed path, so one forward verifies them all: column t of a sequence depends on
     its tokens 0..t only, as in ``causal_logits`` on the sequence alone. A sequence goes into rows of
-    its length class (``row_width``: the power of two at or above it, at least 64, at most ``width``),
+    its length class (``length_classes.class_widths``: the power of two at or above it, at least 64, at most
+    ``width``),
     so short sequences never share a wide row: the eager attention's cost a token grows with the row's
     width (a dense [row, row] score a head), and a class row is at most twice its longest member.
 
@@ -77,9 +79,10 @@ def packed_predictions(
     for index, sequence in enumerate(sequences):
         if len(sequence) == 0:
             raise ValueError(f"sequences[{index}] is empty")
+    widths = class_widths(torch.tensor([len(sequence) for sequence in sequences], dtype=torch.long), width).tolist()
     classes: dict[int, list[int]] = defaultdict(list)
     for index in sorted(range(len(sequences)), key=lambda index: -len(sequences[index])):
-        classes[row_width(len(sequences[index]), width)].append(index)
+        classes[widths[index]].append(index)
     predicted: list[list[int]] = [[] for _ in sequences]
     for class_width, members in classes.items():
         packed = [EvalSequence(tuple(sequences[index])) for index in members]
@@ -93,14 +96,6 @@ def packed_predictions(
                         predicted[members[slot]] = rows[row][column : column + length]
                     column += length
     return predicted
-
-
-def row_width(length: int, width: int, narrowest: int = 64) -> int:
-    """The packed row a sequence of ``length`` tokens runs in: the power of two at or above it, at least
-    ``narrowest`` and at most ``width``; a sequence longer than ``width`` runs alone, as wide as it."""
-    if length > width:
-        return length
-    return min(width, max(narrowest, 1 << (length - 1).bit_length()))
 
 
 @torch.no_grad()
@@ -240,5 +235,4 @@ __all__ = [
     "greedy_generate",
     "is_finished",
     "packed_predictions",
-    "row_width",
 ]

@@ -173,7 +173,8 @@ def run_capture(target, tokens: int, mode: contextlib.AbstractContextManager):
     from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 
     text = target.config.text_config
-    wrapper = DeepseekV41DSparkTargetModel(target, list(text.dspark_target_layer_ids))
+    # The packed rows as given: the capture a GPU's sparse attention runs (never the CPU's length classes).
+    wrapper = DeepseekV41DSparkTargetModel(target, list(text.dspark_target_layer_ids), length_classes="never")
     batch = _document(tokens, int(text.vocab_size), seed=tokens, device=next(target.parameters()).device)
     with mode:
         return wrapper.generate_batch(**batch)

@@ -42,20 +42,13 @@ def test_packed_predictions_are_each_sequence_s_own(demo_pair):
 
 
 def test_a_sequence_runs_in_the_row_of_its_length_class():
-    from nemo_automodel_ext.evaluation.generate import row_width
+    import torch
 
-    assert [row_width(n, 2048) for n in (1, 40, 64, 65, 128, 129, 1500, 2048)] == [
-        64,
-        64,
-        64,
-        128,
-        128,
-        256,
-        2048,
-        2048,
-    ]
-    assert row_width(2049, 2048) == 2049  # alone, as wide as it
-    assert row_width(90, 96) == 96  # a widest row that is no power of two
+    from nemo_automodel_ext.models.deepseek_v41.length_classes import class_widths
+
+    lengths = torch.tensor([1, 40, 64, 65, 128, 129, 1500, 2048, 2049])
+    assert class_widths(lengths, 2048).tolist() == [64, 64, 64, 128, 128, 256, 2048, 2048, 2049]  # 2049: alone
+    assert class_widths(torch.tensor([90]), 96).tolist() == [96]  # a widest row that is no power of two
 
 
 def test_greedy_decoding_of_mixed_lengths_is_each_prompt_s_own(demo_pair):

@@ -118,7 +118,14 @@ def _aligned_layout(
     return plan.build(width)
 
 
-def _validate_forward_inputs(model: DeepseekV41ForCausalLM, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
+def validate_packed_batch(model: DeepseekV41ForCausalLM, input_ids: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Refuse, with a ValueError naming the argument and the rule, a packed batch ``dspark_packed_forward`` cannot run.
+
+    Args:
+        model: ``DeepseekV41ForCausalLM`` target (its image token id is read).
+        input_ids: Token IDs [batch, sequence], int32/int64, at least one row and one token, no image token.
+        seq_lens: Document lengths [batch, documents], int32/int64, each row summing to ``sequence``.
+    """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in _TOKEN_DTYPES or input_ids.ndim != 2:
         raise ValueError(
             "input_ids must be an int32/int64 tensor of shape [batch, sequence], got "
@@ -172,7 +179,7 @@ def prepare_packed_inputs(
         The layout and new tensors ``input_ids`` (pad-filled), ``attention_mask`` (bool),
         ``position_ids`` and ``packed_seq_ids``, all [batch, aligned_sequence].
     """
-    _validate_forward_inputs(model, input_ids, seq_lens)
+    validate_packed_batch(model, input_ids, seq_lens)
     layout = _aligned_layout(
         seq_lens.to(input_ids.device),
         tuple(input_ids.shape),
@@ -234,4 +241,5 @@ __all__ = [
     "prepare_packed_inputs",
     "require_v41_target",
     "uses_hybridep",
+    "validate_packed_batch",
 ]

@@ -4,7 +4,9 @@ nemo_automodel 0.7.0's ``HFDSparkTargetModel`` turns ``seq_lens`` into a block-c
 [batch, 1, sequence, sequence] additive mask, which V4.1's forward refuses. This subclass
 keeps upstream's capture points (the model-owned ``get_dspark_target_feature_modules``
 pre-hooks and the final norm) and stream reduction, and runs packed batches through
-``dspark_packed_forward``.
+``dspark_packed_forward``. On a dense-attention fallback (eager, SDPA) a target that runs alone
+takes a packed batch's documents in rows of their length class (``length_classes.py``): the same
+features, at a cost that follows the documents rather than the row.
 """
 
 from __future__ import annotations
@@ -16,10 +18,17 @@ import torch
 import torch.nn as nn
 from nemo_automodel.components.speculative.dspark.target import DSparkTargetBatch, HFDSparkTargetModel
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from nemo_automodel_ext.models.deepseek_v41.cp import dspark_packed_forward_cp
 from nemo_automodel_ext.models.deepseek_v41.cp_draft import DraftShard, draft_shard
-from nemo_automodel_ext.models.deepseek_v41.dspark_target import dspark_packed_forward, require_v41_target
+from nemo_automodel_ext.models.deepseek_v41.dspark_target import (
+    dspark_packed_forward,
+    require_v41_target,
+    uses_hybridep,
+    validate_packed_batch,
+)
+from nemo_automodel_ext.models.deepseek_v41.length_classes import ClassRows, length_class_rows, relaying_pays
 from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
 
 
@@ -45,9 +54,20 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
             residual streams form the draft context.
         cp_mesh: Optional context-parallel mesh. With more than one rank, packed batches are
             sharded contiguously over it and the captures gathered back (see ``cp.py``).
+        length_classes: ``"auto"``: run a packed batch's documents in rows of their length class where that
+            is safe (``runs_length_classes``) and modelled faster (``length_classes.relaying_pays``);
+            ``"always"``: wherever it is safe; ``"never"``: the packed rows as given.
     """
 
-    def __init__(self, model: nn.Module, target_layer_ids: Sequence[int], cp_mesh: DeviceMesh | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        target_layer_ids: Sequence[int],
+        cp_mesh: DeviceMesh | None = None,
+        length_classes: str = "auto",
+    ):
+        if length_classes not in ("auto", "always", "never"):
+            raise ValueError(f"length_classes must be 'auto', 'always' or 'never', got {length_classes!r}")
         require_v41_target(model)
         # The model's own check raises a ValueError naming the rule (upstream's generic one asserts).
         model.get_dspark_target_feature_modules(list(target_layer_ids))
@@ -56,7 +76,21 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
         # Upstream's CP hooks patch HF SDPA attention, which V4.1 does not use: never pass a mesh up.
         super().__init__(model, target_layer_ids, cp_mesh=None)
         self.cp_mesh = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
+        self.length_classes = length_classes
         self.model.requires_grad_(False)
+
+    def runs_length_classes(self) -> bool:
+        """Whether packed batches may run in length-class rows: not ``"never"``, a dense-attention fallback (eager or
+        SDPA: a token's cost grows with its row), and a target that runs alone. CP, HybridEP (equal widths
+        on every rank) and a sharded target (FSDP2 or EP DTensors: collectives every forward, so every rank
+        must run the same forwards) keep the packed rows."""
+        return (
+            self.length_classes != "never"
+            and getattr(getattr(self.model, "backend", None), "attn", None) in ("eager", "sdpa")
+            and self.cp_mesh is None
+            and not uses_hybridep(self.model)
+            and not any(isinstance(parameter, DTensor) for parameter in self.model.parameters())
+        )
 
     def _capture(
         self, run: Callable[[], Callable[[torch.Tensor], torch.Tensor]]
@@ -137,6 +171,19 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
                 "set recipe_args.packed_sequence_size > 0 or distributed.cp_size=1"
             )
 
+        classes = self._length_classes(input_ids, seq_lens)
+        if classes:
+            features, norm = self._capture_length_classes(input_ids, classes)
+            return DSparkTargetBatch(
+                target_hidden_states=features,
+                target_last_hidden_states=norm,
+                input_ids=input_ids,
+                loss_mask=loss_mask,
+                position_ids=position_ids,
+                seq_lens=seq_lens,
+                doc_remaining=doc_remaining,
+            )
+
         def run() -> Callable[[torch.Tensor], torch.Tensor]:
             if self.cp_mesh is not None:
                 return dspark_packed_forward_cp(self.model, input_ids, seq_lens, self.cp_mesh)[1]
@@ -208,6 +255,48 @@ class DeepseekV41DSparkTargetModel(HFDSparkTargetModel):
             doc_remaining=doc_remaining,
             shard=shard,
         )
+
+    def _length_classes(self, input_ids: torch.Tensor, seq_lens: torch.Tensor | None) -> list[ClassRows]:
+        """The length classes of a packed batch to capture, or [] for the packed rows as given
+        (``runs_length_classes`` says no, or ``relaying_pays`` does)."""
+        if seq_lens is None or not self.runs_length_classes():
+            return []
+        validate_packed_batch(self.model, input_ids, seq_lens)
+        classes = length_class_rows(seq_lens.to(input_ids.device), input_ids.shape[1])
+        return classes if self.length_classes == "always" or relaying_pays(classes, *input_ids.shape) else []
+
+    def _capture_length_classes(
+        self, input_ids: torch.Tensor, classes: list[ClassRows]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed capture, one forward a length class.
+
+        Args:
+            input_ids: Token IDs [batch, sequence].
+            classes: ``length_class_rows`` of the batch's ``seq_lens``.
+
+        Returns:
+            New tensors: the draft context [batch, sequence, len(target_layer_ids) * hidden] and the final-norm
+            output [batch, sequence, hidden]: ``dspark_packed_forward``'s features of every document, up to fp32
+            rounding (which the indexer's FP4 rounding and top-k can turn into another selection on a near-tie,
+            as between the packed rows and each document alone).
+        """
+        batch, sequence = input_ids.shape
+        pad = self.model.config.text_config.pad_token_id or 0
+        features = norm = None
+        for rows in classes:
+            tokens = rows.pack(input_ids, fill=pad)
+
+            def run(tokens=tokens, rows=rows) -> Callable[[torch.Tensor], torch.Tensor]:
+                return dspark_packed_forward(self.model, tokens, rows.seq_lens).restore
+
+            captured, restore = self._capture(run)
+            context, last = restore(self._features(captured)), restore(captured["norm"])
+            if features is None:
+                features = context.new_zeros(batch * sequence, context.shape[-1])
+                norm = last.new_zeros(batch * sequence, last.shape[-1])
+            rows.scatter(context, features)
+            rows.scatter(last, norm)
+        return features.view(batch, sequence, -1), norm.view(batch, sequence, -1)
 
     def _features(self, captured: dict[object, torch.Tensor]) -> torch.Tensor:
         """The draft context [batch, run_sequence, len(target_layer_ids) * hidden] of one capture."""
