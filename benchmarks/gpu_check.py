@@ -13,10 +13,10 @@ section, so a run stopped at its limit still leaves what it measured:
 - **memory** (c): CUDA peak allocated bytes above the weights of the capture (the 5-layer calibration target
   of ``planning/calibration.py``: one V4.1 layer of each kind at Flash widths) at 3 row lengths, with each
   layer's own peak, and of the Flash draft's step (3 layers, block 5) at 3 (anchors, tokens) points, next to
-  ``calibration.json``'s fitted terms: model, measured, ratio; and one target MoE block alone at 2 token
-  counts against ``moe_pair`` (the routing-imbalance margin's bytes a routed pair, measured on CPU's torch
-  experts path). Two points of every fitted slope are re-measured on the GPU. On CPU the measurement is
-  ``LiveBytes``, the calibration's own counter.
+  ``calibration.json``'s fitted terms: model, measured, ratio; one Engram block alone at 2 token counts; and one
+  target MoE block alone at 2 token counts against ``moe_pair`` (the routing-imbalance margin's bytes a routed
+  pair, measured on CPU's torch experts path). Two points of every fitted slope are re-measured on the GPU. On
+  CPU the measurement is ``LiveBytes``, the calibration's own counter.
 - **draft_flops** (d): the Flash draft step's achieved TFLOP/s (``torch.utils.flop_counter`` FLOPs over CUDA
   event time, best of 3 after a warm-up) at two CP-native Flash points, against ``planning/step_time.py``'s
   assumed ``MFU`` x the GPU's dense bf16 peak.
@@ -164,6 +164,23 @@ def memory_section(device: str, quick: bool) -> dict[str, Any]:
             )
             print(f"MoE block {count} tokens: model {model / GIB:.2f} GiB, measured {mode.peak / GIB:.2f}", flush=True)
         del target
+        block = cal.build_engram_block(device=device)
+        for count in tokens[:2]:  # one Engram block alone (Estimate.engram_block's measured transients)
+            mode = peak_mode(device)
+            cal.run_engram(block, count, mode)
+            model = polynomial(coefficients["engram"], count)
+            rows.append(
+                {
+                    "phase": "one Engram block",
+                    "tokens": count,
+                    "model_bytes": model,
+                    "measured_bytes": mode.peak,
+                    "ratio": mode.peak / model,
+                    "reserved_bytes": getattr(mode, "reserved", None),
+                }
+            )
+            print(f"Engram block {count} tokens: model {model / GIB:.2f} GiB, measured {mode.peak / GIB:.2f}")
+        del block
         if device == "cuda":
             torch.cuda.empty_cache()
         trainer = calibration_draft(cal, device)

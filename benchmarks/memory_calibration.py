@@ -10,7 +10,8 @@ DSpark loss and backward, both at the real Flash widths in bf16 (the draft step 
 windows: forward, loss, layers' backward). Prints each measured point beside the
 fit (relative error), the fitted coefficients in readable units, and the model's old formula where it had
 one. ``--write`` stores the record as ``nemo_automodel_ext/planning/calibration.json``, which the memory
-model and the recipes' refusal read; ``tests/planning/test_calibration.py`` re-measures its first points.
+model and the recipes' refusal read; ``tests/planning/test_calibration.py`` re-measures enough points to pin
+every fitted term.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     print(f"| capture, per local x row token pair | {capture[2]:.2f} B | indexer formula |")
     print(f"| capture, constant | {capture[0] / 2**20:.1f} MiB | 0 |")
     print(f"| captured, per column | {coefficients['captured'][1] / 1024:.1f} KiB | 40.0 KiB |")
+    print(f"| one Engram block alone, per token | {coefficients['engram'][1] / 1024:.1f} KiB | not counted |")
     print(
         f"| draft step, per anchor | {step[1] / 2**20:.2f} MiB ({step[1] / vocab_copy:.1f} fp32 logits copies) | "
         f"{3 * vocab_copy / 2**20 + 5 * 2 * 5120 * (3 + 12 + 6) / 2**20:.2f} MiB (3 copies + layer inputs) |"

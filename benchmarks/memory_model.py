@@ -93,6 +93,18 @@ def main() -> None:
             "this layout fits up to "
             + ("any load." if tolerance == float("inf") else f"+{100 * tolerance:.0f}% on the busiest rank.")
         )
+        if result.engram_block:
+            activations = result.phases["capture"]["capture activations (measured)"]
+            print(
+                f"\nEngram: one block at its peak holds {result.engram_block / GIB:.1f} GiB (its measured transients, "
+                f"its residual input, the row-owner lookup's exchange) against the capture's measured "
+                f"{activations / GIB:.1f} GiB, so "
+                + (
+                    "the capture's peak holds it."
+                    if result.engram_block <= activations
+                    else f"it adds {(result.engram_block - activations) / GIB:.1f} GiB to the capture phase."
+                )
+            )
         print("\n| sent per GPU per micro-batch | MiB |\n| --- | ---: |")
         for name, value in result.traffic.items():
             print(f"| {name} | {value / 2**20:,.1f} |")

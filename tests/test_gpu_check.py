@@ -45,6 +45,7 @@ def test_gpu_check_runs_every_section_on_cpu(tmp_path):
     steps = [(row["anchors"], row["tokens"]) for row in memory if row["phase"] == "draft_step"]
     assert len({a for a, _ in steps}) >= 2 and len({t for _, t in steps}) >= 2
     assert len([row for row in memory if row["phase"] == "one MoE block"]) == 2  # the bytes a routed pair
+    assert len([row for row in memory if row["phase"] == "one Engram block"]) == 2
     # On CPU the counter is the calibration's own: the fit must hold at the re-measured points.
     assert all(0.9 < row["ratio"] < 1.1 for row in memory), memory
     assert record["sections"]["draft_flops"]["rows"][0]["flops"] > 0

@@ -11,6 +11,12 @@ experts 2304 wide, vocab 129280), bf16, on single-document rows of a few short l
   feature layers 2-4: peak bytes above the weights, fitted ``a + b T + c T^2`` in the row's tokens. The 40
   Flash layers carry the same state from layer to layer (one residual stream, one compressed KV, one
   candidate set, three feature layers) as these 5, so the peak of 5 is the peak of 40.
+  Layer 1 carries an Engram block, as Flash's layers 1 and 14 do (``attach_engram``): a 4,096-row table
+  (activations follow the lookups, not the rows) fed by a stand-in for the n-gram hash, which needs the
+  released tokenizer: seeded rows in the shape and dtype the hash returns for Flash's two Engram layers
+  (int64 [batch, tokens, 2, 24], alive through the forward: 384 B a token).
+- ``engram``: one Engram block alone (``measure_engram``) on ``T`` tokens, peak above its input, ``a + b T``:
+  its transients stay below the capture's peak, which is why the capture's fit holds them (pinned in tests).
 - ``captured``: bytes the capture hands to the draft (features and last hidden state), ``b T``.
 - ``draft_step``: the draft's forward, DSpark loss and backward (activation checkpointing on, as the
   recipes set it) on one ``T``-token document with ``A`` anchors of the Flash block: peak above the
@@ -30,9 +36,10 @@ outputs; the HC Sinkhorn runs its torch path ([tokens, 4, 4] either way); the Mo
 GPU, runs eagerly (its fp32 gate and up copies are counted: an over-count of at most 55 KiB a token). The
 target has 8 routed experts a layer instead of 384, the draft 8 instead of 128 (activations depend on the
 top-6 and top-3, not on the expert count; the routers' fp32 logits add 1.5 KiB a target token and 0.5 KiB
-a draft token, not counted), and no Engram layer.
+a draft token, not counted), and its Engram table lives on one rank (the row-owner lookup's all-to-all buffers
+across ranks are not measured; ``memory_model`` adds them to the block to show they fit under the peak).
 ``benchmarks/memory_calibration.py`` measures and writes ``calibration.json``; ``tests/planning`` re-measures
-two points of every slope and pins each coefficient to the stored measurements.
+enough points to pin every fitted term and pins each coefficient to the stored measurements.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ from nemo_automodel_ext.planning.allocations import LiveBytes
 CALIBRATION_FILE = "calibration.json"
 TOKENS = (1024, 2048, 4096, 8192)  # single-document rows of the capture phase
 MOE_TOKENS = (1024, 2048)  # tokens of one MoE block alone (the bytes of a routed pair)
+ENGRAM_TOKENS = (1024, 2048)  # tokens of one Engram block alone
+ENGRAM_LAYER = 1  # the calibration target's layer with an Engram block (Flash: layers 1 and 14)
+ENGRAM_ROWS = 4096  # rows of its table (Flash: 384M; activations follow the lookups, not the rows)
 # (anchors, document tokens) of the draft-step phase: at 64 anchors and more the step's peak is the loss's
 # backward, whose bytes grow with the anchors (below it is the frozen head's fp32 copy, a constant).
 DRAFT_STEPS = ((64, 2048), (128, 2048), (256, 2048), (64, 4096), (64, 8192))
@@ -142,7 +152,49 @@ def build_calibration_target(seed: int = 0, device: str | torch.device = "cpu"):
         if hasattr(module, "sinkhorn_backend"):
             module.sinkhorn_backend = "torch"
     install_packed_indexer(model)
+    attach_engram(model, seed)
     return model.eval()
+
+
+class StandInEngramHash(torch.nn.Module):
+    """Upstream's ``DeepseekV41NgramHash`` output without the released tokenizer it needs: seeded table rows,
+    int64 [batch, sequence, engram_layers, hash_heads] (the shape, dtype and lifetime of the hash's result)."""
+
+    def __init__(self, layers: int, hash_heads: int, rows: int) -> None:
+        super().__init__()
+        self.layers, self.hash_heads, self.rows = layers, hash_heads, rows
+
+    def forward(self, input_ids: torch.Tensor, token_mask=None, sequence_ids=None) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(input_ids.shape[1])
+        rows = torch.randint(0, self.rows, (*input_ids.shape, self.layers, self.hash_heads), generator=generator)
+        return rows.to(input_ids.device)
+
+
+def build_engram_block(seed: int = 3, device: str | torch.device = "cpu"):
+    """Upstream's ``DeepseekV41Engram`` of layer ``ENGRAM_LAYER`` at Flash widths, bf16, ``ENGRAM_ROWS`` table rows."""
+    from nemo_automodel.components.models.deepseek_v41.engram import DeepseekV41Engram
+
+    from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
+
+    text = calibration_config().text_config
+    text = text.__class__(
+        **{**text.to_dict(), "engram_layer_ids": [ENGRAM_LAYER], "engram_num_embeddings": [ENGRAM_ROWS]}
+    )
+    with torch.device("meta"):
+        block = DeepseekV41Engram(text, ENGRAM_LAYER, cpu_backend(attn="tilelang"))
+    block = block.to_empty(device=device)
+    _initialise(block, seed)
+    return block
+
+
+def attach_engram(model, seed: int = 0) -> None:
+    """Give ``model``'s layer ``ENGRAM_LAYER`` an Engram block and its text model the stand-in hash (in place)."""
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41TextConfig
+
+    block = build_engram_block(seed + 3, next(model.parameters()).device)
+    model.model.layers[str(ENGRAM_LAYER)].engram = block
+    flash_layers = len(DeepseekV41TextConfig().engram_layer_ids)
+    model.model.engram_hash = StandInEngramHash(flash_layers, block.hash_heads, ENGRAM_ROWS)
 
 
 def _document(tokens: int, vocab: int, seed: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -221,6 +273,25 @@ def measure_moe(target, tokens: int) -> int:
     """
     tape = LiveBytes()
     run_moe(target, tokens, tape)
+    return tape.peak
+
+
+def run_engram(block, tokens: int, mode: contextlib.AbstractContextManager) -> None:
+    """One Engram block (``build_engram_block``) on ``tokens`` tokens under ``mode``, without autograd, on a bf16
+    residual [1, tokens, hc_mult, hidden] and table rows made outside ``mode``; its output is dropped at once."""
+    generator = torch.Generator().manual_seed(tokens)
+    device = next(block.parameters()).device
+    hidden = torch.randn(1, tokens, block.hc_mult, block.hidden_size, generator=generator).to(torch.bfloat16)
+    rows = torch.randint(0, ENGRAM_ROWS, (1, tokens, block.hash_heads), generator=generator)
+    hidden, rows = hidden.to(device), rows.to(device)
+    with torch.no_grad(), mode:
+        block(hidden, rows)
+
+
+def measure_engram(block, tokens: int) -> int:
+    """Peak bytes of one Engram block on ``tokens`` tokens (``run_engram``), above its input and weights."""
+    tape = LiveBytes()
+    run_engram(block, tokens, tape)
     return tape.peak
 
 
@@ -395,6 +466,7 @@ def calibrate(log=print) -> dict[str, Any]:
         "capture": [],
         "captured": [],
         "moe": [],
+        "engram": [],
         "draft_step": [],
         "draft_gradients": [],
     }
@@ -409,6 +481,10 @@ def calibrate(log=print) -> dict[str, Any]:
         for tokens in MOE_TOKENS:
             points["moe"].append([tokens, measure_moe(target, tokens)])
         del target
+        block = build_engram_block()
+        for tokens in ENGRAM_TOKENS:
+            points["engram"].append([tokens, measure_engram(block, tokens)])
+        del block
         trainer = build_calibration_draft(DRAFT_STEPS[0][0])
         for anchors, tokens in DRAFT_STEPS:
             measured = measure_draft_step(trainer, anchors, tokens)
@@ -422,7 +498,11 @@ def calibrate(log=print) -> dict[str, Any]:
 
     return {
         "torch": torch.__version__.split("+")[0],
-        "config": {"widths": "DeepseekV41TextConfig() (V4.1-Flash)", **FLASH_OVERRIDES},
+        "config": {
+            "widths": "DeepseekV41TextConfig() (V4.1-Flash)",
+            **FLASH_OVERRIDES,
+            "engram_block": {"layer": ENGRAM_LAYER, "rows": ENGRAM_ROWS, "hash": "stand-in, Flash's shape"},
+        },
         # The widths activations scale with; the expert counts are stand-ins (EXPERTS), which the model may differ in.
         "widths": {
             key: value
@@ -434,6 +514,7 @@ def calibrate(log=print) -> dict[str, Any]:
             "capture": fit(points["capture"], 2),
             "captured": fit(points["captured"], 1),
             "moe_pair": [moe_pair(points["moe"], int(calibration_config().text_config.num_experts_per_tok))],
+            "engram": fit(points["engram"], 1),
             "draft_step": fit(points["draft_step"]),
             "draft_gradients": [max(p[-1] for p in points["draft_gradients"])],
             **{f"draft {window}": fit(points[f"draft {window}"]) for window in DRAFT_WINDOWS},
@@ -451,7 +532,11 @@ def load_calibration() -> dict[str, Any]:
 __all__ = [
     "DRAFT_STEPS",
     "DRAFT_WINDOWS",
+    "ENGRAM_LAYER",
+    "ENGRAM_TOKENS",
     "TOKENS",
+    "attach_engram",
+    "build_engram_block",
     "build_calibration_draft",
     "build_calibration_target",
     "calibrate",
@@ -460,8 +545,10 @@ __all__ = [
     "fit",
     "load_calibration",
     "measure_capture",
+    "measure_engram",
     "measure_draft_step",
     "measure_optimizer",
     "run_capture",
+    "run_engram",
     "run_draft_step",
 ]

@@ -25,7 +25,7 @@ class ModelCounts:
     Attributes:
         experts: Routed-expert parameters of the target.
         engram: Engram table parameters (row-owner sharded over all ranks).
-        dense: Every other target parameter.
+        dense: Every other target parameter (the Engram blocks' projections and norms included).
         expert_layer: Routed-expert parameters of one MoE layer.
         dense_unit: The largest non-expert FSDP unit (embedding, head or one layer's dense part).
         moe_layers: Target layers with routed experts.
@@ -36,13 +36,15 @@ class ModelCounts:
         draft_root: Draft parameters outside its layers (embedding, head, fc, norms, Markov and confidence
             heads: FSDP2's root unit).
         target_active: Target parameters a token is multiplied by (every matrix but the embedding, the head
-            and the Engram tables; routed experts by top-k / experts).
+            and the Engram tables, whose rows are looked up; routed experts by top-k / experts).
         draft_active: Draft layer parameters a draft token is multiplied by (routed experts by top-k / experts).
         draft_projection: The draft's feature projection (``main_proj``), applied to every feature column.
         routed_experts: Routed experts of a target MoE layer (an EP size must divide them).
         draft_experts: Routed-expert parameters of every draft layer (placed on ``draft_ep`` ranks).
         draft_layer_experts: Routed-expert parameters of the draft's largest layer.
         draft_routed_experts: Routed experts of a draft layer (``draft_ep`` must divide them).
+        engram_lookups: Table rows one token looks up in one Engram layer (n-gram sizes x heads; 0 without Engram).
+        engram_head_dim: Width of an Engram table row.
         widths: Config widths the calibration must match.
     """
 
@@ -64,6 +66,8 @@ class ModelCounts:
     draft_experts: int = 0
     draft_layer_experts: int = 0
     draft_routed_experts: int = 0
+    engram_lookups: int = 0
+    engram_head_dim: int = 0
     widths: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -86,6 +90,15 @@ def engram_table_parameters(text: Any) -> int:
     return sum(int(r) for r in rows) * int(text.engram_head_dim)
 
 
+def engram_block_parameters(text: Any) -> int:
+    """Engram parameters besides the tables, per Engram layer below num_hidden_layers: the key/value projection
+    [lookups x engram_head_dim, hidden x (hc_mult + 1)] and the two [hc_mult, hidden] branch-norm weights."""
+    layers = sum(1 for layer in text.engram_layer_ids if layer < text.num_hidden_layers)
+    lookups = (int(text.engram_max_ngram_size) - 1) * int(text.engram_n_heads)
+    hidden, streams = int(text.hidden_size), int(text.hc_mult)
+    return layers * (lookups * int(text.engram_head_dim) * hidden * (streams + 1) + 2 * streams * hidden)
+
+
 def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
     """Count a V4.1 target (``DeepseekV41TextConfig``) and its released DSpark draft.
 
@@ -94,7 +107,8 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
         num_anchors: Draft option (does not change parameter counts).
 
     Returns:
-        ModelCounts. Builds the target (without Engram tables) and the draft on the meta device.
+        ModelCounts. Builds the target without its Engram layers (their tables and blocks are counted by formula,
+        tested against meta-device modules) and the draft on the meta device.
     """
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
@@ -112,15 +126,17 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
     experts = sum(p.numel() for name, p in target.named_parameters() if ".experts." in name)
     moe_layers = experts // expert_layer if expert_layer else 0
     dense_units = [target.model.embed_tokens.weight.numel(), target.lm_head.weight.numel()]
-    for layer in target.model.layers.values():
-        dense_units.append(sum(p.numel() for name, p in layer.named_parameters() if ".experts." not in name))
+    engram_block = engram_block_parameters(text) // max(1, sum(1 for i in text.engram_layer_ids if i < layers))
+    for index, layer in target.model.layers.items():
+        own = sum(p.numel() for name, p in layer.named_parameters() if ".experts." not in name)
+        dense_units.append(own + (engram_block if int(index) in text.engram_layer_ids else 0))
     frozen = draft.embed_tokens.weight.numel() + draft.lm_head.weight.numel()
     draft_total = sum(p.numel() for p in draft.parameters())
     ratios = list(text.compress_ratios[:layers])
     return ModelCounts(
         experts=experts,
         engram=engram_table_parameters(text),
-        dense=sum(p.numel() for p in target.parameters()) - experts,
+        dense=sum(p.numel() for p in target.parameters()) - experts + engram_block_parameters(text),
         expert_layer=expert_layer,
         dense_unit=max(dense_units),
         moe_layers=moe_layers,
@@ -133,6 +149,7 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
         - experts
         - dense_units[0]
         - dense_units[1]
+        + engram_block_parameters(text)
         + experts * int(text.num_experts_per_tok) // int(text.n_routed_experts),
         draft_active=sum(
             p.numel()
@@ -147,6 +164,10 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
             sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n) for layer in draft.layers
         ),
         draft_routed_experts=int(text.dspark_n_routed_experts),
+        engram_lookups=(int(text.engram_max_ngram_size) - 1) * int(text.engram_n_heads)
+        if any(int(layer) < layers for layer in text.engram_layer_ids)
+        else 0,
+        engram_head_dim=int(text.engram_head_dim),
         widths={
             "hidden": int(text.hidden_size),
             "hc_mult": int(text.hc_mult),
@@ -169,4 +190,11 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
     )
 
 
-__all__ = ["GIB", "ModelCounts", "engram_table_parameters", "model_counts", "routed_expert_parameters"]
+__all__ = [
+    "GIB",
+    "ModelCounts",
+    "engram_block_parameters",
+    "engram_table_parameters",
+    "model_counts",
+    "routed_expert_parameters",
+]

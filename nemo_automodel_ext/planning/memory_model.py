@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from nemo_automodel_ext.planning.counts import (  # noqa: F401  (re-exported: the model's public names)
     GIB,
     ModelCounts,
+    engram_block_parameters,
     engram_table_parameters,
     model_counts,
     routed_expert_parameters,
@@ -105,6 +106,8 @@ class Calibration:
         optimizer_transient: Bytes per trainable parameter alive during AdamW's step beyond its state.
         widths: The config widths measured; the model refuses other widths.
         moe_pair: Bytes a routed pair adds to one target MoE block's peak (``calibration.measure_moe``).
+        engram: ``(a, b)``: one Engram block's peak above its input is ``a + b x tokens``
+            (``calibration.measure_engram``).
     """
 
     capture: tuple[float, float, float]
@@ -115,6 +118,7 @@ class Calibration:
     widths: dict[str, int]
     draft_windows: dict[str, tuple[float, float, float]]
     moe_pair: float = 0.0
+    engram: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def shipped(cls) -> Calibration:
@@ -132,6 +136,7 @@ class Calibration:
             widths=dict(record["widths"]),
             draft_windows={window: tuple(coefficients[f"draft {window}"]) for window in DRAFT_WINDOWS},
             moe_pair=coefficients["moe_pair"][0],
+            engram=tuple(coefficients["engram"]),
         )
 
     def mismatches(self, widths: dict[str, int]) -> str:
@@ -166,6 +171,9 @@ class Estimate:
             expert group computes twice its balanced share of routed pairs (+100% load): the capture's MoE
             block at the measured bytes a pair, a draft layer's dispatch buffers and MoE block. An upper
             bound: the whole block's per-token bytes are charged to pairs. The totals assume balanced routing.
+        engram_block: Bytes alive at an Engram block's peak in the capture (0 without Engram): the block's
+            measured transients, its bf16 residual input and the row-owner lookup's exchange buffers. The
+            capture phase holds ``max(0, engram_block - capture activations)`` beyond its measured activations.
     """
 
     memory: dict[str, float]
@@ -175,6 +183,7 @@ class Estimate:
     peak_phase: str = ""
     groups: dict[str, str] = field(default_factory=dict)
     imbalance: dict[str, float] = field(default_factory=dict)
+    engram_block: float = 0.0
 
     @property
     def total(self) -> float:
@@ -261,6 +270,22 @@ def rank_feature_columns(layout: Layout, widths: dict[str, int]) -> float:
     return layout.row_tokens
 
 
+def engram_block_bytes(counts: ModelCounts, calibration: Calibration, tokens: float) -> float:
+    """Bytes alive at an Engram block's peak on ``tokens`` local tokens (0 without Engram).
+
+    The block's measured transients (``Calibration.engram``), its bf16 residual input [tokens, hc_mult, hidden]
+    and the row-owner lookup's fixed-capacity exchange at balanced capacity (upstream's ``_exchange_ids`` and
+    ``_FixedCapacityAllToAll``): int64 row ids and bf16 rows, each padded out and padded back, then the compact
+    and the reordered rows. The calibration's table lives on one rank, so the exchange is counted, not measured.
+    """
+    if not counts.engram_lookups:
+        return 0.0
+    a, b = calibration.engram
+    lookups = tokens * counts.engram_lookups
+    exchange = lookups * (2 * 8 + 4 * BF16 * counts.engram_head_dim)
+    return a + b * tokens + BF16 * counts.widths["hc_mult"] * counts.widths["hidden"] * tokens + exchange
+
+
 def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | None = None) -> Estimate:
     """Per-GPU peak memory and traffic of ``layout`` (see the module docstring for what is counted).
 
@@ -334,12 +359,13 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         if layout.draft_ep > 1
         else 0
     )
+    capture_activations = capture_a + capture_b * local_tokens + capture_c * local_tokens * layout.row_tokens
+    engram_block = engram_block_bytes(counts, calibration, local_tokens)
     phases = {
         "capture": {
             "target gathered units": 2 * BF16 * (counts.dense_unit + gathered_experts),
-            "capture activations (measured)": capture_a
-            + capture_b * local_tokens
-            + capture_c * local_tokens * layout.row_tokens,
+            "capture activations (measured)": capture_activations,
+            "Engram block beyond the capture's peak (measured)": max(0.0, engram_block - capture_activations),
         },
         "draft forward": {
             **resident_draft,
@@ -440,7 +466,7 @@ def estimate(counts: ModelCounts, layout: Layout, calibration: Calibration | Non
         "draft forward": dispatch_buffers + draft_pairs,
         "draft layers backward": dispatch_buffers + draft_pairs,
     }
-    return Estimate(memory, traffic, layout, phases, peak_phase, groups, imbalance)
+    return Estimate(memory, traffic, layout, phases, peak_phase, groups, imbalance, engram_block)
 
 
 __all__ = [
@@ -450,6 +476,8 @@ __all__ = [
     "ModelCounts",
     "engram_table_parameters",
     "draft_ep_passes",
+    "engram_block_bytes",
+    "engram_block_parameters",
     "estimate",
     "model_counts",
     "rank_anchors",

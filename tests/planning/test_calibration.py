@@ -11,15 +11,19 @@ from nemo_automodel_ext.planning.allocations import LiveBytes, peak_bytes
 from nemo_automodel_ext.planning.calibration import (
     DRAFT_STEPS,
     DRAFT_WINDOWS,
+    ENGRAM_LAYER,
+    ENGRAM_TOKENS,
     MOE_TOKENS,
     TOKENS,
     build_calibration_draft,
     build_calibration_target,
+    build_engram_block,
     cpu_stand_ins,
     fit,
     load_calibration,
     measure_capture,
     measure_draft_step,
+    measure_engram,
     measure_moe,
     measure_optimizer,
     moe_pair,
@@ -68,6 +72,8 @@ def test_coefficients_are_the_fit_of_the_stored_measurements():
     assert fit(points["captured"], 1) == pytest.approx(coefficients["captured"], rel=1e-9, abs=1e-3)
     assert [p[0] for p in points["moe"]] == list(MOE_TOKENS)
     assert coefficients["moe_pair"] == [pytest.approx(moe_pair(points["moe"], 6), rel=1e-12)]  # Flash: top-6
+    assert [p[0] for p in points["engram"]] == list(ENGRAM_TOKENS)
+    assert fit(points["engram"], 1) == pytest.approx(coefficients["engram"], rel=1e-9, abs=1e-3)
     assert fit(points["draft_step"]) == pytest.approx(coefficients["draft_step"], rel=1e-9)
     for window in DRAFT_WINDOWS:
         assert fit(points[f"draft {window}"]) == pytest.approx(coefficients[f"draft {window}"], rel=1e-9)
@@ -87,23 +93,30 @@ def test_coefficients_are_the_fit_of_the_stored_measurements():
     assert [tuple(p[:2]) for p in points["draft_step"]] == [tuple(step) for step in DRAFT_STEPS]
 
 
-def test_two_points_of_every_slope_re_measure_to_the_stored_bytes():
-    """Flash widths on CPU (about 7 GB and 4 minutes): two capture rows (the slope in tokens), the draft step at
+def test_enough_points_of_every_fitted_term_re_measure_to_the_stored_bytes():
+    """Flash widths on CPU (about 7 GB and 5 minutes): three capture rows (1k, 2k and 4k tokens: the fit is
+    quadratic, so three points pin its constant, slope and curvature), the draft step at
     64 and 128 anchors (the slope in anchors) and at 2k and 4k tokens (the slope in tokens), counted again now,
     equal the shipped record byte for byte, and so do one MoE block's at two token counts (the bytes a routed
-    pair costs, ``Estimate.imbalance``) and the optimizer's state. A term whose slope drifts (as the
+    pair costs, ``Estimate.imbalance``), one Engram block's at two (``Estimate.engram_block``) and the optimizer's
+    state. A term whose slope drifts (as the
     draft's anchor slope did when the calibration stood in a fused SDPA for CUDA's math kernel) fails here."""
     record = load_calibration()
     points = record["points"]
     with cpu_stand_ins():
         target = build_calibration_target()
-        for index in (0, 1):
+        for index in (0, 1, 2):
             measured = measure_capture(target, TOKENS[index])
             assert [TOKENS[index], measured["peak"]] == points["capture"][index]
             assert [TOKENS[index], measured["captured"]] == points["captured"][index]
         for index, tokens in enumerate(MOE_TOKENS):  # both points of the bytes a routed pair costs
             assert [tokens, measure_moe(target, tokens)] == points["moe"][index]
+        assert target.model.layers[str(ENGRAM_LAYER)].engram is not None  # the capture ran one Engram block
         del target
+        block = build_engram_block()
+        for index, tokens in enumerate(ENGRAM_TOKENS):  # both points of the Engram block alone
+            assert [tokens, measure_engram(block, tokens)] == points["engram"][index]
+        del block
         gc.collect()
         trainer = build_calibration_draft(DRAFT_STEPS[0][0])
         for index in (0, 1, 3):  # (64, 2048), (128, 2048), (64, 4096)

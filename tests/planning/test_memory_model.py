@@ -20,6 +20,7 @@ from nemo_automodel_ext.planning.memory_model import (
     Calibration,
     Layout,
     draft_ep_passes,
+    engram_block_parameters,
     engram_table_parameters,
     estimate,
     model_counts,
@@ -52,14 +53,18 @@ def test_routed_experts_match_the_meta_device_count(flash):
     assert on_meta == counts.experts == counts.moe_layers * routed_expert_parameters(text)
     assert round(on_meta / 1e9, 1) == 543.6  # the review's count; 1012.5 GiB in bf16
     assert on_meta * 2 / GIB == pytest.approx(1012.5, abs=0.05)
-    assert counts.dense == sum(p.numel() for p in target.parameters()) - on_meta
+    # Built without its Engram layers: their blocks' projections and norms are counted by formula (next test).
+    assert counts.dense == sum(p.numel() for p in target.parameters()) - on_meta + engram_block_parameters(text)
 
 
 def test_engram_tables_match_the_meta_device_modules(flash):
     text, counts = flash
     with torch.device("meta"):
-        tables = [DeepseekV41Engram(text, layer, cpu_backend()).embed.weight.numel() for layer in text.engram_layer_ids]
+        blocks = [DeepseekV41Engram(text, layer, cpu_backend()) for layer in text.engram_layer_ids]
+    tables = [block.embed.weight.numel() for block in blocks]
     assert sum(tables) == engram_table_parameters(text) == counts.engram
+    rest = sum(p.numel() for block in blocks for name, p in block.named_parameters() if not name.startswith("embed."))
+    assert rest == engram_block_parameters(text) and round(rest / 1e9, 2) == 0.31
     assert [round(t * 2 / GIB) for t in tables] == [183, 183]
 
 
@@ -115,6 +120,34 @@ def test_routing_imbalance_is_charged_by_the_pairs_of_the_busiest_rank(flash, na
     # Without expert parallelism every rank computes its own tokens' pairs: nothing to be unbalanced.
     alone = estimate(counts, replace(layout, ep=1, draft_ep=1))
     assert alone.imbalance_tolerance() == float("inf")
+
+
+@pytest.mark.parametrize("name", sorted(GPU_RECIPES))
+def test_an_engram_block_stays_under_the_capture_s_peak_or_adds_what_it_exceeds(flash, name):
+    """Flash's Engram block at the recipe's local tokens: its measured transients, its bf16 residual input and
+    the row-owner lookup's exchange (ids and rows padded out and back, the compact and reordered rows) stay under
+    the capture's measured activations, so the capture phase holds nothing more; a block that exceeded them would
+    add the difference."""
+    text, counts = flash
+    cfg = load_yaml_config(REPO / "recipes" / "deepseek_v41" / name)
+    gpus, gib = GPU_RECIPES[name]
+    layout = layout_from_config(cfg, validate_recipe_config(cfg, gpus, "cuda", require_packages=False), gpus, gib)
+    calibration = Calibration.shipped()
+    result = estimate(counts, layout, calibration)
+    tokens = layout.rows * layout.row_tokens / layout.cp
+    lookups = tokens * (text.engram_max_ngram_size - 1) * text.engram_n_heads
+    a, b = calibration.engram
+    block = a + b * tokens + 2 * text.hc_mult * text.hidden_size * tokens + lookups * (16 + 8 * text.engram_head_dim)
+    assert result.engram_block == pytest.approx(block)
+    activations = result.phases["capture"]["capture activations (measured)"]
+    assert 0.5 * activations < result.engram_block < activations
+    assert result.phases["capture"]["Engram block beyond the capture's peak (measured)"] == 0
+    heavy = estimate(counts, layout, replace(calibration, engram=(a, 4 * b)))
+    assert heavy.phases["capture"]["Engram block beyond the capture's peak (measured)"] == pytest.approx(
+        heavy.engram_block - activations
+    )
+    without = replace(counts, engram_lookups=0)
+    assert estimate(without, layout, calibration).engram_block == 0
 
 
 def test_eight_h100_nodes_need_the_draft_s_experts_on_ep(flash):
@@ -191,7 +224,7 @@ def test_one_node_is_refused_with_the_estimate_and_the_nearest_layout(flash, tmp
         check_layout_fits(counts, layout)
     message = str(error.value)
     assert "needs about 259.6 GiB a GPU at its draft layers backward" in message
-    assert "target shards (bf16) 174.2" in message
+    assert "target shards (bf16) 174.3" in message
     assert "the nearest layout that fits is 16 GPUs of 141 GiB, ep_size=16, cp_size=4, draft_ep_size=8" in message
     # The recipe's check reads only the target's config.json.
     DeepseekV41Config(text_config=text.to_dict(), vision_config={"num_hidden_layers": 0}).save_pretrained(tmp_path)
