@@ -3,14 +3,14 @@
 Upstream's eager and SDPA attention (the CPU fallbacks of ``attention.py``) score every query against
 its whole row, a dense [row, row + row / ratio] matrix a head masked to the document and window, so a
 token's cost grows with the row's width, not with its document (``benchmarks/target_row_width.py``: 9.5x
-a token at 2,048 against 128). A frozen capture that runs each document on its own gives the same
-features (the packed path keeps every document to itself), so the wrapper may run a packed batch's
-documents in narrower rows: ``length_class_rows`` sorts them into power-of-two classes (``class_widths``)
-and lays each class out in rows of at most 1.5 times its width. A class is one more forward, and a forward
-of the small V4.1 models a CPU runs costs milliseconds before its first token, so ``relaying_pays`` keeps
-the packed rows unless a cost model of the dense forward (calibrated on the demo target, checked against
-measurement by ``benchmarks/capture_length_classes.py``) says the classes are faster. TileLang's sparse
-path reads indices and keeps the packed rows as they are.
+a token at 2,048 against 128). The packed path keeps every document to itself, so a frozen capture gives
+each document the same features in any row (up to fp32 rounding: docs/packing.md, "The capture path"), and
+the wrapper may run a packed batch's documents in narrower rows: ``length_class_rows`` sorts them into
+power-of-two classes (``class_widths``), a row a document above the narrowest class and shared rows of under
+1.5 times its width in it. A class is one more forward, and a forward of the small V4.1 models a CPU runs has
+a fixed cost of milliseconds, so ``relaying_pays`` keeps the packed rows unless a cost model of the dense
+forward (calibrated on the demo target, checked against measurement by ``benchmarks/capture_length_classes.py``)
+says the classes are faster. TileLang's sparse path reads indices and keeps the packed rows as they are.
 """
 
 from __future__ import annotations
