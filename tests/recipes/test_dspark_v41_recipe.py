@@ -469,7 +469,10 @@ def test_accumulation_reduce_scatters_every_micro_batch_with_the_deferred_sync_s
     for one, two in zip(ours, deferred):
         assert one["data_checksum"] == two["data_checksum"]
         # Summing reduce-scattered halves, or reduce-scattering the sum: fp32 reassociation only
-        # (measured: weights within 7e-8 after 5 steps, losses within 2e-6 relative).
+        # (measured: losses within 2e-6 relative; weights after 5 steps within 7e-8 at 65692e3, and within
+        # 1.3e-6 on 2 of 4,096 elements at 866d4f2, whose capture runs some micro-batches in length classes:
+        # the same features in both runs, another trajectory. AdamW divides by sqrt(v), so an element whose
+        # second moment is near zero turns reassociation noise into a larger update).
         assert one["loss"] == pytest.approx(two["loss"], rel=1e-5)
     shards = sorted((workdir / "every_micro_batch" / "checkpoints" / "epoch_0_step_5" / "model").glob("shard-*"))
     assert len(shards) == 2
@@ -477,7 +480,7 @@ def test_accumulation_reduce_scatters_every_micro_batch_with_the_deferred_sync_s
         mine, theirs = load_file(shard), load_file(str(shard).replace("every_micro_batch", "deferred"))
         assert mine.keys() == theirs.keys()
         for key in mine:
-            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=1e-6)
+            torch.testing.assert_close(mine[key], theirs[key], rtol=0, atol=5e-6)
 
 
 def test_wandb_section_is_honoured_offline(uninterrupted):
