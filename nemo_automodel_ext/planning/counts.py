@@ -90,13 +90,26 @@ def engram_table_parameters(text: Any) -> int:
     return sum(int(r) for r in rows) * int(text.engram_head_dim)
 
 
-def engram_block_parameters(text: Any) -> int:
-    """Engram parameters besides the tables, per Engram layer below num_hidden_layers: the key/value projection
-    [lookups x engram_head_dim, hidden x (hc_mult + 1)] and the two [hc_mult, hidden] branch-norm weights."""
-    layers = sum(1 for layer in text.engram_layer_ids if layer < text.num_hidden_layers)
-    lookups = (int(text.engram_max_ngram_size) - 1) * int(text.engram_n_heads)
+def _engram_layers(text: Any) -> list[int]:
+    """The Engram layers below num_hidden_layers (the active ones)."""
+    return [int(layer) for layer in text.engram_layer_ids if layer < text.num_hidden_layers]
+
+
+def _engram_lookups(text: Any) -> int:
+    """Table rows one token looks up in one Engram layer: n-gram sizes 2..max x heads."""
+    return (int(text.engram_max_ngram_size) - 1) * int(text.engram_n_heads)
+
+
+def _engram_block_layer_parameters(text: Any) -> int:
+    """One Engram block besides its table: the key/value projection [lookups x engram_head_dim, hidden x
+    (hc_mult + 1)] and the two [hc_mult, hidden] branch-norm weights."""
     hidden, streams = int(text.hidden_size), int(text.hc_mult)
-    return layers * (lookups * int(text.engram_head_dim) * hidden * (streams + 1) + 2 * streams * hidden)
+    return _engram_lookups(text) * int(text.engram_head_dim) * hidden * (streams + 1) + 2 * streams * hidden
+
+
+def engram_block_parameters(text: Any) -> int:
+    """Engram parameters besides the tables, over the Engram layers below num_hidden_layers."""
+    return len(_engram_layers(text)) * _engram_block_layer_parameters(text)
 
 
 def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
@@ -126,17 +139,17 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
     experts = sum(p.numel() for name, p in target.named_parameters() if ".experts." in name)
     moe_layers = experts // expert_layer if expert_layer else 0
     dense_units = [target.model.embed_tokens.weight.numel(), target.lm_head.weight.numel()]
-    engram_block = engram_block_parameters(text) // max(1, sum(1 for i in text.engram_layer_ids if i < layers))
+    engram_layers, engram_blocks = _engram_layers(text), engram_block_parameters(text)
     for index, layer in target.model.layers.items():
         own = sum(p.numel() for name, p in layer.named_parameters() if ".experts." not in name)
-        dense_units.append(own + (engram_block if int(index) in text.engram_layer_ids else 0))
+        dense_units.append(own + (_engram_block_layer_parameters(text) if int(index) in engram_layers else 0))
     frozen = draft.embed_tokens.weight.numel() + draft.lm_head.weight.numel()
     draft_total = sum(p.numel() for p in draft.parameters())
     ratios = list(text.compress_ratios[:layers])
     return ModelCounts(
         experts=experts,
         engram=engram_table_parameters(text),
-        dense=sum(p.numel() for p in target.parameters()) - experts + engram_block_parameters(text),
+        dense=sum(p.numel() for p in target.parameters()) - experts + engram_blocks,
         expert_layer=expert_layer,
         dense_unit=max(dense_units),
         moe_layers=moe_layers,
@@ -149,7 +162,7 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
         - experts
         - dense_units[0]
         - dense_units[1]
-        + engram_block_parameters(text)
+        + engram_blocks
         + experts * int(text.num_experts_per_tok) // int(text.n_routed_experts),
         draft_active=sum(
             p.numel()
@@ -164,9 +177,7 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
             sum(p.numel() for n, p in layer.named_parameters() if ".experts." in n) for layer in draft.layers
         ),
         draft_routed_experts=int(text.dspark_n_routed_experts),
-        engram_lookups=(int(text.engram_max_ngram_size) - 1) * int(text.engram_n_heads)
-        if any(int(layer) < layers for layer in text.engram_layer_ids)
-        else 0,
+        engram_lookups=_engram_lookups(text) if engram_layers else 0,
         engram_head_dim=int(text.engram_head_dim),
         widths={
             "hidden": int(text.hidden_size),

@@ -145,7 +145,7 @@ def _class_rows(lengths: torch.Tensor, starts: torch.Tensor, width: int) -> Clas
     # Token level: slot rows * row_width + column + j holds caller token start + j, j < length.
     tokens = int(lengths.sum())
     document = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    within = torch.arange(tokens, device=lengths.device) - (lengths.cumsum(0) - lengths)[document]
+    within = torch.arange(tokens, device=lengths.device) - offsets[document]
     source = torch.full((count * row_width,), -1, dtype=torch.long, device=lengths.device)
     source[(rows * row_width + columns)[document] + within] = starts[document] + within
     # Documents a row, in order, then the trailing padding.
