@@ -140,9 +140,10 @@ def model_counts(text: Any, num_anchors: int = 512) -> ModelCounts:
     moe_layers = experts // expert_layer if expert_layer else 0
     dense_units = [target.model.embed_tokens.weight.numel(), target.lm_head.weight.numel()]
     engram_layers, engram_blocks = _engram_layers(text), engram_block_parameters(text)
+    engram_block = _engram_block_layer_parameters(text)
     for index, layer in target.model.layers.items():
         own = sum(p.numel() for name, p in layer.named_parameters() if ".experts." not in name)
-        dense_units.append(own + (_engram_block_layer_parameters(text) if int(index) in engram_layers else 0))
+        dense_units.append(own + (engram_block if int(index) in engram_layers else 0))
     frozen = draft.embed_tokens.weight.numel() + draft.lm_head.weight.numel()
     draft_total = sum(p.numel() for p in draft.parameters())
     ratios = list(text.compress_ratios[:layers])
