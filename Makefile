@@ -32,8 +32,13 @@ EVAL_ARGS ?= --temperature 1.0
 eval: $(STAMP)
 	$(PY) -m nemo_automodel_ext.evaluation $(DISTILL_RUN) $(EVAL_ARGS)
 
+# Two pytest-xdist workers (the CI machine's 2 cores), one thread each and in every run they start (at two
+# threads a worker, their threads outnumbered the cores and the suite ran slower than one process). Tests sharing
+# an expensive fixture, and the Flash-width measurements (about 13 GB each), keep to one worker by xdist_group.
+PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_THREADS ?= 1
 test: $(STAMP)
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$(PYTEST_THREADS) MKL_NUM_THREADS=$(PYTEST_THREADS) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/packing.py

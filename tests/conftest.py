@@ -61,6 +61,18 @@ def tiny_target():
 
 
 @pytest.fixture
+def flash_widths_alone(tmp_path_factory):
+    """An exclusive lock held for the test: Flash-width models take about 13 GB, so under pytest-xdist no two tests
+    using this run at once, whatever the scheduler does (``make test`` also keeps them on one worker by their
+    ``xdist_group``). The lock file lies in the folder every worker's temporary folder shares."""
+    import fcntl
+
+    with open(tmp_path_factory.getbasetemp().parent / "flash_widths.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture
 def gloo():
     """``gloo(script, *args)``: run a worker script as two gloo ranks (see run_gloo)."""
     return run_gloo

@@ -27,6 +27,8 @@ from nemo_automodel_ext.run.loading import build_packed_draft, check_target_cont
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+# Under `make test` (pytest-xdist): every test here on one worker, so the uninterrupted run is made once.
+pytestmark = pytest.mark.xdist_group("tiny_recipe_run")
 # Ranks and device each recipe is written for.
 LAUNCH = {
     "dspark_tiny_cpu.yaml": (1, "cpu"),

@@ -19,6 +19,8 @@ from nemo_automodel_ext.launch import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 YAML = REPO / "recipes/deepseek_v41/dspark_tiny_cpu.yaml"
+# Under `make test` (pytest-xdist): every kill on one worker, so the reference run is made once.
+pytestmark = pytest.mark.xdist_group("fault_injection")
 # (kill point, occurrence): checkpoints every 2 steps; occurrence 2 is the step-4 checkpoint's write.
 KILLS = [
     ("mid_step_forward", 5),
