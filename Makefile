@@ -34,7 +34,7 @@ eval: $(STAMP)
 
 # Two pytest-xdist workers (the CI machine's 2 cores), one thread each and in every run they start (at two
 # threads a worker, their threads outnumbered the cores and the suite ran slower than one process). Tests sharing
-# an expensive fixture, and the Flash-width measurements (about 13 GB each), keep to one worker by xdist_group.
+# an expensive fixture, and the Flash-width measurements (up to 13 GB each), keep to one worker by xdist_group.
 PYTEST_ARGS ?= -n 2 --dist loadgroup
 PYTEST_THREADS ?= 1
 test: $(STAMP)

@@ -62,7 +62,7 @@ def tiny_target():
 
 @pytest.fixture
 def flash_widths_alone(tmp_path_factory):
-    """An exclusive lock held for the test: Flash-width models take about 13 GB, so under pytest-xdist no two tests
+    """An exclusive lock held for the test: Flash-width models take up to 13 GB, so under pytest-xdist no two tests
     using this run at once, whatever the scheduler does (``make test`` also keeps them on one worker by their
     ``xdist_group``). The lock file lies in the folder the workers' temporary folders share; one process
     takes no lock."""

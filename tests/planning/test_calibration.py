@@ -93,15 +93,15 @@ def test_coefficients_are_the_fit_of_the_stored_measurements():
     assert [tuple(p[:2]) for p in points["draft_step"]] == [tuple(step) for step in DRAFT_STEPS]
 
 
-@pytest.mark.xdist_group("flash_widths")  # about 13 GB each: under xdist, one worker runs them one at a time
+@pytest.mark.xdist_group("flash_widths")  # up to 13 GB resident: under xdist, one worker runs them one at a time
 def test_enough_points_of_every_fitted_term_re_measure_to_the_stored_bytes(flash_widths_alone):
-    """Flash widths on CPU (about 7 GB and 5 minutes): three capture rows (1k, 2k and 4k tokens: the fit is
-    quadratic, so three points pin its constant, slope and curvature), the draft step at
-    64 and 128 anchors (the slope in anchors) and at 2k and 4k tokens (the slope in tokens), counted again now,
-    equal the shipped record byte for byte, and so do one MoE block's at two token counts (the bytes a routed
-    pair costs, ``Estimate.imbalance``), one Engram block's at two (``Estimate.engram_block``) and the optimizer's
-    state. A term whose slope drifts (as the
-    draft's anchor slope did when the calibration stood in a fused SDPA for CUDA's math kernel) fails here."""
+    """Flash widths on CPU (up to 13 GB resident, about 6 minutes): three capture rows (1k, 2k and 4k tokens: the
+    fit is quadratic, so three points pin its constant, slope and curvature), the draft step at 64 and 128 anchors
+    (the slope in anchors) and at 2k and 4k tokens (the slope in tokens), counted again now, equal the shipped
+    record byte for byte, and so do one MoE block's at two token counts (the bytes a routed pair costs,
+    ``Estimate.imbalance``), one Engram block's at two (``Estimate.engram_block``) and the optimizer's state. A term
+    whose slope drifts (as the draft's anchor slope did when the calibration stood in a fused SDPA for CUDA's math
+    kernel) fails here."""
     record = load_calibration()
     points = record["points"]
     with cpu_stand_ins():
