@@ -60,11 +60,19 @@ def tiny_target():
     return build_tiny_target(seed=0)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """A test using ``flash_widths_alone`` joins xdist group ``flash_widths``: one worker runs them one at a time."""
+    for item in items:
+        if "flash_widths_alone" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("flash_widths"))
+
+
 @pytest.fixture
 def flash_widths_alone(tmp_path_factory):
     """An exclusive lock held for the test: Flash-width models take up to 13 GB, so under pytest-xdist no two tests
-    using this run at once, whatever the scheduler does (``make test`` also keeps them on one worker by their
-    ``xdist_group``). The lock file lies in the folder the workers' temporary folders share; one process
+    using this run at once, whatever the scheduler does (``make test`` also keeps them on one worker: the hook
+    above). The lock file lies in the folder the workers' temporary folders share; one process
     takes no lock."""
     import fcntl
 

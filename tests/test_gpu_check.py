@@ -26,7 +26,6 @@ def test_a_drifted_wheel_list_is_refused(monkeypatch):
         gpu_wheels.check_documented()
 
 
-@pytest.mark.xdist_group("flash_widths")  # up to 13 GB resident: under xdist, one worker runs them one at a time
 def test_gpu_check_runs_every_section_on_cpu(tmp_path, flash_widths_alone):
     """``--device cpu --quick``: every section measured (none failed), the JSON and markdown written."""
     output = tmp_path / "check"

@@ -93,7 +93,6 @@ def test_coefficients_are_the_fit_of_the_stored_measurements():
     assert [tuple(p[:2]) for p in points["draft_step"]] == [tuple(step) for step in DRAFT_STEPS]
 
 
-@pytest.mark.xdist_group("flash_widths")  # up to 13 GB resident: under xdist, one worker runs them one at a time
 def test_enough_points_of_every_fitted_term_re_measure_to_the_stored_bytes(flash_widths_alone):
     """Flash widths on CPU (up to 13 GB resident, about 6 minutes): three capture rows (1k, 2k and 4k tokens: the
     fit is quadratic, so three points pin its constant, slope and curvature), the draft step at 64 and 128 anchors

@@ -29,7 +29,6 @@ def calibration():
     return text, model_counts(text)
 
 
-@pytest.mark.xdist_group("flash_widths")  # up to 13 GB resident: under xdist, one worker runs them one at a time
 def test_target_and_draft_flops_match_the_flop_counter(calibration, flash_widths_alone):
     """The calibration target (5 Flash-width layers, 8.2 GiB of weights) and the released draft's step at 16 and
     32 anchors (the anchor slope), counted by FlopCounterMode (95 s; 161 s at 64 and 128 anchors). The counter
