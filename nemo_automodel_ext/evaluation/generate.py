@@ -2,7 +2,8 @@
 
 The V4.1 training model has no KV cache, so every step re-runs the sequences through the packed path
 (``packed_predictions``: prefix-consistent, as the capture and the replay see the target); sequences of
-any lengths run together as documents of shared rows, each row sized to its members' length class.
+any lengths run together as documents of shared rows, each row sized to its members' length class and cut
+to its batch's fullest row.
 Meant for small targets (the tiny recipe, tests); a Flash-sized target regenerates its data through a
 serving engine (``docs/recipes.md``).
 
@@ -10,6 +11,7 @@ A guessed continuation (a dataset answer the target probably reproduces) is veri
 forward, as speculative decoding verifies a draft: its longest prefix that the target's argmax
 follows is kept, plus the target's own token where they part, and only the rest is decoded. The
 result is the same greedy text; the cost falls from one forward per token to one per sequence.
+Without a dataset guess, decoding guesses for itself (``lookup_guess``, Jacobi decoding).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def packed_predictions(
     predicted: list[list[int]] = [[] for _ in sequences]
     for class_width, members in classes.items():
         packed = [EvalSequence(tuple(sequences[index])) for index in members]
-        for batch in pack_sequences(packed, class_width, max(1, max_batch_tokens // class_width), pad):
+        for batch in pack_sequences(packed, class_width, max(1, max_batch_tokens // class_width), pad, trim=True):
             layout, inputs = prepare_packed_inputs(model, batch["input_ids"].to(device), batch["seq_lens"].to(device))
             rows = layout.restore(model(**inputs).logits).argmax(dim=-1).tolist()
             for row, (lengths, slots) in enumerate(zip(batch["seq_lens"].tolist(), batch["sequence_index"].tolist())):
@@ -110,8 +112,11 @@ def greedy_generate(
     """Decode each prompt greedily with ``model``.
 
     Every step runs all unfinished sequences at once, prompts of any lengths packed as documents of
-    shared rows (``packed_predictions``), so a batch of distinct lengths costs one forward a token, not
-    one a token and length.
+    shared rows (``packed_predictions``), so a batch of distinct lengths costs one forward a step, not
+    one a step and length. Each step also verifies a guess of every sequence's next tokens (``follow_guess``),
+    as speculative decoding verifies a draft's: ``lookup_guess`` where the sequence's last tokens occurred
+    before (a copy or a loop), else the last step's argmax past what it verified (Jacobi decoding). A step
+    commits at least one token, and as many as the target confirms; the text is plain greedy decoding's.
 
     Args:
         model: ``DeepseekV41ForCausalLM``, run through the packed path (``packed_predictions``).
@@ -139,15 +144,53 @@ def greedy_generate(
         if len(prompt) == 0:
             raise ValueError(f"prompts[{index}] is empty: a continuation needs at least one prompt token")
     results: list[list[int]] = [[] for _ in prompts]
+    guesses_next: list[list[int]] = [[] for _ in prompts]  # the last forward's predictions past what it verified
     active = list(range(len(prompts)))
     while active:
+        contexts, guessed = [], []
+        for index in active:
+            context, left = [*prompts[index], *results[index]], max_new_tokens - len(results[index])
+            guessed.append((lookup_guess(context, left - 1) or guesses_next[index])[: left - 1])
+            contexts.append(context)
         rows = packed_predictions(
-            model, [[*prompts[i], *results[i]] for i in active], max_batch_tokens=max_batch_tokens
+            model, [[*context, *guess] for context, guess in zip(contexts, guessed)], max_batch_tokens=max_batch_tokens
         )
-        for index, row in zip(active, rows):
-            results[index].append(row[-1])
+        for index, context, guess, row in zip(active, contexts, guessed, rows):
+            left = max_new_tokens - len(results[index])
+            tokens = follow_guess(row, len(context), guess, left, eos_token_id)
+            results[index] += tokens
+            guesses_next[index] = row[len(context) + len(tokens) - 1 :]  # Jacobi: each next column's argmax
         active = [index for index in active if not is_finished(results[index], max_new_tokens, eos_token_id)]
     return results
+
+
+def lookup_guess(tokens: Sequence[int], length: int, ngram: int = 3) -> list[int]:
+    """What would follow ``tokens`` if it went on as after the latest earlier occurrence of its last words.
+
+    Prompt-lookup decoding's guess: the longest suffix of at most ``ngram`` tokens that also occurs earlier is
+    matched at its latest earlier occurrence, and the tokens after that occurrence are copied, overlapping into
+    the copy itself, so a repeating cycle continues past the end. A guess only saves forwards when it is right;
+    ``follow_guess`` keeps what the target confirms.
+
+    Args:
+        tokens: The sequence so far (token ids).
+        length: Most tokens to guess.
+        ngram: Longest suffix matched.
+
+    Returns:
+        A new list of at most ``length`` tokens; empty when no suffix recurs or ``length`` < 1.
+    """
+    if length < 1:
+        return []
+    for size in range(min(ngram, len(tokens) - 1), 0, -1):
+        suffix = list(tokens[-size:])
+        for end in range(len(tokens) - 1, size - 1, -1):
+            if list(tokens[end - size : end]) == suffix:
+                extended = list(tokens)
+                for offset in range(length):
+                    extended.append(extended[end + offset])
+                return extended[len(tokens) :]
+    return []
 
 
 def follow_guess(
@@ -234,5 +277,6 @@ __all__ = [
     "follow_guess",
     "greedy_generate",
     "is_finished",
+    "lookup_guess",
     "packed_predictions",
 ]

@@ -32,7 +32,7 @@ class EvalSequence:
 
 
 def pack_sequences(
-    sequences: Sequence[EvalSequence], width: int, rows_per_batch: int, pad_token_id: int
+    sequences: Sequence[EvalSequence], width: int, rows_per_batch: int, pad_token_id: int, trim: bool = False
 ) -> list[dict[str, torch.Tensor]]:
     """Pack sequences in order, first fit, into rows of ``width`` columns.
 
@@ -41,6 +41,8 @@ def pack_sequences(
         width: Row width; a longer sequence gets a row of its own, as wide as it.
         rows_per_batch: Rows per returned batch.
         pad_token_id: Token filling the trailing padding document of each row.
+        trim: Cut each batch's rows to its fullest row's tokens (never wider than ``width`` unless a sequence is):
+            a batch of a few short sequences does not run ``width`` columns of padding.
 
     Returns:
         Batches of new tensors [rows, width] (``seq_lens``: [rows, documents]) plus
@@ -62,7 +64,7 @@ def pack_sequences(
     batches = []
     for begin in range(0, len(rows), rows_per_batch):
         chunk = rows[begin : begin + rows_per_batch]
-        row_width = max(width, *used[begin : begin + rows_per_batch])
+        row_width = max(0 if trim else width, *used[begin : begin + rows_per_batch])
         documents = max(len(row) for row in chunk) + 1
         fields = {
             name: torch.zeros(len(chunk), row_width, dtype=torch.long)

@@ -68,6 +68,14 @@ def test_whole_conversation_verification_equals_turn_by_turn_regeneration():
         reference.append({"messages": messages})
     assert regenerate_turns(model, tokenizer, plans) == reference
     assert [m["content"] for m in reference[1]["messages"][:2]] != [m["content"] for m in plans[1][0]]
+    # The target falls silent off plan and the next turn is guessed empty (``_guessed_answer``), rightly and wrongly.
+    after_silence = [
+        sample["messages"][turn + 2]["content"]
+        for sample, plan in zip(reference, plans)
+        for turn in range(1, len(plan) * 2 - 2, 2)
+        if sample["messages"][turn]["content"] == "" != plan[turn // 2][1]["content"]
+    ]
+    assert "" in after_silence and any(after_silence)
 
 
 def test_a_conversation_answered_as_planned_takes_a_round_a_doubling_of_its_turns(monkeypatch):

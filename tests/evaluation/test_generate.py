@@ -69,3 +69,62 @@ def test_greedy_decoding_of_mixed_lengths_is_each_prompt_s_own(demo_pair):
             tokens.append(int(causal_logits(wrapper.model, torch.tensor([prompt + tokens]))[0, -1].argmax()))
         reference.append(tokens)
     assert greedy_generate(wrapper.model, prompts, 12, eos) == reference
+
+
+def test_lookup_guess_continues_a_copy_or_a_loop():
+    """Prompt-lookup guesses: the tokens after the latest earlier occurrence of the longest recurring suffix (at most
+    ``ngram`` tokens), copied on into the copy itself so that a loop goes on; nothing when no suffix recurs."""
+    from nemo_automodel_ext.evaluation.generate import lookup_guess
+
+    assert lookup_guess([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]  # [1, 2] recurs: what followed it
+    assert lookup_guess([5, 6, 5, 6], 5) == [5, 6, 5, 6, 5]  # a loop continues past the end
+    assert lookup_guess([1, 7, 1, 8, 1], 2) == [8, 1]  # the latest occurrence of [1]
+    assert lookup_guess([4, 1, 2, 3, 0, 2, 3, 5, 1, 2, 3], 1) == [0]  # the longest suffix [1, 2, 3] beats [2, 3]
+    assert lookup_guess([1, 2, 3], 4) == [] and lookup_guess([1, 1], 0) == [] and lookup_guess([], 3) == []
+
+
+def test_greedy_decoding_guesses_for_itself_in_fewer_forwards(monkeypatch):
+    """Copy prompts: after the first copied word, prompt lookup guesses the rest and one forward confirms it. The
+    text equals naive token-by-token decoding (``causal_logits`` alone), in fewer forwards than tokens."""
+    import torch
+
+    from nemo_automodel_ext.demo.demo_target import load_demo_target
+    from nemo_automodel_ext.demo.tiny_tasks import COPY_WORDS, build_tokenizer
+    from nemo_automodel_ext.evaluation import generate
+    from nemo_automodel_ext.evaluation.generate import causal_logits
+    from nemo_automodel_ext.evaluation.sequences import encode_conversation
+
+    model, tokenizer = load_demo_target(), build_tokenizer()
+    eos, prompts = tokenizer.eos_token_id, []
+    for count in (3, 5, 8):
+        messages = [{"role": "user", "content": "please copy " + " ".join(COPY_WORDS[count : 2 * count])}]
+        full, prompt = encode_conversation(tokenizer, [*messages, {"role": "assistant", "content": "x"}])
+        prompts.append(full[:prompt])
+    reference = []
+    for prompt in prompts:
+        tokens = []
+        while len(tokens) < 16 and (not tokens or tokens[-1] != eos):
+            tokens.append(int(causal_logits(model, torch.tensor([prompt + tokens]))[0, -1].argmax()))
+        reference.append(tokens)
+    forwards = []
+    predict = generate.packed_predictions
+    monkeypatch.setattr(generate, "packed_predictions", lambda *a, **k: forwards.append(1) or predict(*a, **k))
+    assert greedy_generate(model, prompts, 16, eos) == reference
+    assert reference[2][:8] == [tokenizer.convert_tokens_to_ids(word) for word in COPY_WORDS[8:16]]  # copied
+    assert len(forwards) <= 4 < max(len(tokens) for tokens in reference)
+
+
+def test_packed_rows_cut_to_the_batch_s_fullest_row():
+    """``trim``: a batch's rows are as wide as its fullest row (a longer sequence still gets a row of its own);
+    without it every row is ``width`` wide."""
+    from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences
+
+    sequences = [EvalSequence((1,) * 5, (2,) * 5), EvalSequence((3,) * 20, ()), EvalSequence((4,) * 3, (5,))]
+    wide = pack_sequences(sequences, 64, 2, 0)
+    cut = pack_sequences(sequences, 64, 2, 0, trim=True)
+    assert [b["input_ids"].shape for b in wide] == [(1, 64)] and [b["input_ids"].shape for b in cut] == [(1, 34)]
+    assert cut[0]["seq_lens"].tolist() == [[10, 20, 4, 0]]  # the padding document is empty
+    assert (cut[0]["input_ids"] == wide[0]["input_ids"][:, :34]).all()
+    one_each = pack_sequences(sequences, 20, 1, 0, trim=True)
+    assert [b["input_ids"].shape[1] for b in one_each] == [10, 20, 4]  # a batch a row, each its own width
+    assert pack_sequences([EvalSequence((1,) * 90, ())], 64, 1, 0, trim=True)[0]["input_ids"].shape == (1, 90)
