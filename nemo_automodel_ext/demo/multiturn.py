@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,16 @@ def multiturn_conversations(
     Returns:
         New ``{"messages": [...]}`` samples.
     """
-    return regenerate_turns(model, tokenizer, [plan_turns(rng, split, turns(rng, mix)) for _ in range(count)])
+    started = shown = time.perf_counter()
+
+    def progress(done: int, planned: int) -> None:  # a line every half minute: the long-tailed mix takes minutes
+        nonlocal shown
+        if (now := time.perf_counter()) - shown >= 30 or done == planned:
+            print(f"{split}: {done}/{planned} turns regenerated, {now - started:.0f} s", flush=True)
+            shown = now
+
+    plans = [plan_turns(rng, split, turns(rng, mix)) for _ in range(count)]
+    return regenerate_turns(model, tokenizer, plans, progress=progress)
 
 
 def ensure_multiturn_mix(

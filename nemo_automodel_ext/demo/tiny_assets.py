@@ -164,7 +164,7 @@ def plan_turns(rng: random.Random, split: str, count: int, exclude: set[str] | N
     return planned
 
 
-def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]]) -> list[dict]:
+def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]], progress=None) -> list[dict]:
     """Conversations of the planned exchanges, every assistant turn the target's greedy answer in its context.
 
     Each round runs every unfinished conversation once with its next planned answers as guesses
@@ -182,6 +182,7 @@ def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]]) -> list[di
         model: The demo target.
         tokenizer: Its tokenizer, with the chat template.
         plans: Per conversation, its ``[user, assistant]`` exchanges (the planned answers are only guesses).
+        progress: Called after every round with (exchanges regenerated, exchanges planned), if given.
 
     Returns:
         New ``{"messages": [...]}`` samples, in order.
@@ -225,6 +226,8 @@ def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]]) -> list[di
             indices, prompts, started = zip(*stalled)
             for index, tokens in zip(indices, finish_greedy(model, prompts, started, MAX_NEW_TOKENS, eos)):
                 _answer_turn(messages, done, plans, index, _answer(tokenizer, tokens))
+        if progress is not None:
+            progress(sum(done), sum(len(plan) for plan in plans))
     return [{"messages": conversation_messages} for conversation_messages in messages]
 
 
