@@ -31,12 +31,13 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from nemo_automodel_ext.demo.demo_target import MAX_NEW_TOKENS, load_demo_target
-from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, conversation
+from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, conversation, counting_guess
 from nemo_automodel_ext.evaluation.generate import (
     finish_greedy,
     follow_guess,
     greedy_generate,
     is_finished,
+    lookup_guess,
     packed_predictions,
 )
 from nemo_automodel_ext.evaluation.sequences import encode_conversation
@@ -63,6 +64,7 @@ def regenerate(model, tokenizer, samples: list[dict]) -> list[dict]:
         MAX_NEW_TOKENS,
         tokenizer.eos_token_id,
         guesses=[full[prompt:] for full, prompt in encoded],  # verified in one forward, decoded where wrong
+        guess=task_guess,
     )
     regenerated = []
     for sample, tokens in zip(samples, generated):
@@ -224,11 +226,19 @@ def regenerate_turns(model, tokenizer, plans: list[list[list[dict]]], progress=N
             ahead[index] = 2 * ahead[index] if held else 1
         if stalled:
             indices, prompts, started = zip(*stalled)
-            for index, tokens in zip(indices, finish_greedy(model, prompts, started, MAX_NEW_TOKENS, eos)):
+            decoded = finish_greedy(model, prompts, started, MAX_NEW_TOKENS, eos, guess=task_guess)
+            for index, tokens in zip(indices, decoded):
                 _answer_turn(messages, done, plans, index, _answer(tokenizer, tokens))
         if progress is not None:
             progress(sum(done), sum(len(plan) for plan in plans))
     return [{"messages": conversation_messages} for conversation_messages in messages]
+
+
+def task_guess(tokens: list[int], length: int) -> list[int]:
+    """Decoding's guess on the tiny tasks: ``lookup_guess`` (a copy or a loop), else ``counting_guess``. On the
+    long-tailed mix's turns the target answers otherwise than planned, it left 800 of 1,694 forwards (replayed
+    on 40 conversations' text, without the Jacobi guesses)."""
+    return lookup_guess(tokens, length) or counting_guess(tokens, length)
 
 
 def _guessed_answer(messages: list[dict], plan: list[list[dict]]) -> str | None:

@@ -24,6 +24,7 @@ COPY_WORDS = (
 ).split()
 WORDS = ("please", "count", "up", "down", "from", "to", "by", "copy", *COPY_WORDS)
 NUMBERS = [str(number) for number in range(300)]
+NUMBER_IDS = range(len(SPECIAL_TOKENS) + len(WORDS), len(SPECIAL_TOKENS) + len(WORDS) + len(NUMBERS))  # their ids
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}<|assistant|> {% generation %}{{ message['content'] }} {{ eos_token }}"
@@ -50,6 +51,20 @@ def task(rng: random.Random) -> tuple[str, list[str]]:
         return f"count from {start} to {stop} by {step}", [str(n) for n in range(start, stop + 1, step)]
     words = rng.sample(COPY_WORDS, rng.randrange(3, 9))
     return f"copy {' '.join(words)}", words
+
+
+def counting_guess(tokens: list[int], length: int) -> list[int]:
+    """At most ``length`` tokens that go on counting from the last two, when both are numbers a step apart: the
+    tasks' answers count (``build_tokenizer`` gives the numbers consecutive ids). A guess for decoding to verify
+    (``greedy_generate``'s ``guess``); empty when the last two tokens do not count."""
+    first, last = NUMBER_IDS.start, NUMBER_IDS.stop - 1
+    if length < 1 or len(tokens) < 2 or not (first <= tokens[-2] <= last and first <= tokens[-1] <= last):
+        return []
+    step = tokens[-1] - tokens[-2]
+    if step == 0:
+        return []
+    stop = first - 1 if step < 0 else last + 1
+    return list(range(tokens[-1] + step, stop, step))[:length]
 
 
 def held_out(prompt: str) -> bool:

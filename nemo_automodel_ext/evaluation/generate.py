@@ -17,7 +17,7 @@ Without a dataset guess, decoding guesses for itself (``lookup_guess``, Jacobi d
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -26,6 +26,8 @@ from nemo_automodel_ext.evaluation.sequences import EvalSequence, pack_sequences
 from nemo_automodel_ext.models.deepseek_v41.dspark_target import prepare_packed_inputs
 from nemo_automodel_ext.models.deepseek_v41.length_classes import class_widths
 from nemo_automodel_ext.models.deepseek_v41.packed_indexer import install_packed_indexer
+
+Guesser = Callable[[Sequence[int], int], list[int]]  # (tokens so far, most tokens) -> the tokens guessed next
 
 
 @torch.no_grad()
@@ -108,15 +110,17 @@ def greedy_generate(
     eos_token_id: int | None,
     max_batch_tokens: int = 16384,
     guesses: Sequence[Sequence[int]] | None = None,
+    guess: Guesser | None = None,
 ) -> list[list[int]]:
     """Decode each prompt greedily with ``model``.
 
     Every step runs all unfinished sequences at once, prompts of any lengths packed as documents of
     shared rows (``packed_predictions``), so a batch of distinct lengths costs one forward a step, not
     one a step and length. Each step also verifies a guess of every sequence's next tokens (``follow_guess``),
-    as speculative decoding verifies a draft's: ``lookup_guess`` where the sequence's last tokens occurred
-    before (a copy or a loop), else the last step's argmax past what it verified (Jacobi decoding). A step
-    commits at least one token, and as many as the target confirms; the text is plain greedy decoding's.
+    as speculative decoding verifies a draft's: ``guess``'s (by default ``lookup_guess``: where the sequence's
+    last tokens occurred before, a copy or a loop), else the last step's argmax past what it verified (Jacobi
+    decoding). A step commits at least one token, and as many as the target confirms; the text is plain greedy
+    decoding's whatever the guesses.
 
     Args:
         model: ``DeepseekV41ForCausalLM``, run through the packed path (``packed_predictions``).
@@ -125,6 +129,8 @@ def greedy_generate(
         eos_token_id: Generation of a prompt stops after this token (kept); None: never.
         max_batch_tokens: Rows run together are capped at this many tokens.
         guesses: Optional guessed continuation of each prompt, verified first (see the module).
+        guess: ``guess(tokens, length)``: at most ``length`` tokens guessed to follow ``tokens`` at every step;
+            default ``lookup_guess``.
 
     Returns:
         One list of generated token ids per prompt, in order, ending at the first EOS inclusive
@@ -137,30 +143,36 @@ def greedy_generate(
     if guesses is not None:
         if len(guesses) != len(prompts):
             raise ValueError(f"guesses has {len(guesses)} entries for {len(prompts)} prompts")
-        return _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_batch_tokens)
+        return _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_batch_tokens, guess)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"prompts[{index}] is empty: a continuation needs at least one prompt token")
+    return _decode(model, prompts, [max_new_tokens] * len(prompts), eos_token_id, max_batch_tokens, guess)
+
+
+def _decode(model, prompts, budgets, eos_token_id, max_batch_tokens, guess: Guesser | None) -> list[list[int]]:
+    """``greedy_generate``'s loop: each prompt decoded to its EOS or its own budget of new tokens."""
+    guess = guess or lookup_guess
     results: list[list[int]] = [[] for _ in prompts]
     guesses_next: list[list[int]] = [[] for _ in prompts]  # the last forward's predictions past what it verified
-    active = list(range(len(prompts)))
+    active = [index for index, budget in enumerate(budgets) if budget > 0]
     while active:
         contexts, guessed = [], []
         for index in active:
-            context, left = [*prompts[index], *results[index]], max_new_tokens - len(results[index])
-            guessed.append((lookup_guess(context, left - 1) or guesses_next[index])[: left - 1])
+            context, left = [*prompts[index], *results[index]], budgets[index] - len(results[index])
+            guessed.append((guess(context, left - 1) or guesses_next[index])[: left - 1])
             contexts.append(context)
         rows = packed_predictions(
-            model, [[*context, *guess] for context, guess in zip(contexts, guessed)], max_batch_tokens=max_batch_tokens
+            model, [[*context, *tokens] for context, tokens in zip(contexts, guessed)], max_batch_tokens=max_batch_tokens
         )
-        for index, context, guess, row in zip(active, contexts, guessed, rows):
-            left = max_new_tokens - len(results[index])
-            tokens = follow_guess(row, len(context), guess, left, eos_token_id)
+        for index, context, guessed_tokens, row in zip(active, contexts, guessed, rows):
+            left = budgets[index] - len(results[index])
+            tokens = follow_guess(row, len(context), guessed_tokens, left, eos_token_id)
             results[index] += tokens
             guesses_next[index] = row[len(context) + len(tokens) - 1 :]  # Jacobi: each next column's argmax
-        active = [index for index in active if not is_finished(results[index], max_new_tokens, eos_token_id)]
+        active = [index for index in active if not is_finished(results[index], budgets[index], eos_token_id)]
     return results
 
 
@@ -231,28 +243,32 @@ def finish_greedy(
     max_new_tokens: int,
     eos_token_id: int | None,
     max_batch_tokens: int = 16384,
+    guess: Guesser | None = None,
 ) -> list[list[int]]:
-    """Each prompt's greedy continuation, given its first tokens (``started``, from ``follow_guess``).
+    """Each prompt's greedy continuation, given its first tokens (``started``, from ``follow_guess``); ``guess`` as
+    in ``greedy_generate``.
 
     Returns:
-        New lists, in order: ``started`` itself where it is finished, else decoded on from it.
+        New lists, in order: ``started`` itself where it is finished, else decoded on from it to the EOS or
+        ``max_new_tokens`` in all.
     """
     finished = [list(tokens) for tokens in started]
     unfinished = [i for i, tokens in enumerate(finished) if not is_finished(tokens, max_new_tokens, eos_token_id)]
     if unfinished:
-        rest = greedy_generate(
+        rest = _decode(
             model,
             [[*prompts[i], *finished[i]] for i in unfinished],
-            max_new_tokens,
+            [max_new_tokens - len(finished[i]) for i in unfinished],
             eos_token_id,
             max_batch_tokens,
+            guess,
         )
         for i, tokens in zip(unfinished, rest):
-            finished[i] = [*finished[i], *tokens][:max_new_tokens]
+            finished[i] += tokens
     return finished
 
 
-def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_batch_tokens) -> list[list[int]]:
+def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_batch_tokens, guess) -> list[list[int]]:
     """``greedy_generate`` with each guess verified by one forward; only the unverified rest is decoded."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -268,7 +284,7 @@ def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_b
         follow_guess(row, len(prompt), guess, max_new_tokens, eos_token_id)
         for row, prompt, guess in zip(rows, prompts, guesses)
     ]
-    return finish_greedy(model, prompts, verified, max_new_tokens, eos_token_id, max_batch_tokens)
+    return finish_greedy(model, prompts, verified, max_new_tokens, eos_token_id, max_batch_tokens, guess)
 
 
 __all__ = [
