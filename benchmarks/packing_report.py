@@ -107,6 +107,18 @@ def pm(pair: tuple[float, float] | None, digits: int = 2) -> str:
     return "never" if pair is None else f"{pair[0]:.{digits}f} ± {pair[1]:.{digits}f}"
 
 
+def mode_of(mix: dict, results: dict) -> str:
+    """A mix's protocol, ``full`` or ``quick``: its own where results of both were merged, else the run's."""
+    return mix.get("mode", results["mode"])
+
+
+def compare_command(results: dict) -> str:
+    """The command that measured ``results``: both when its mixes were measured under both protocols."""
+    modes = {mode_of(mix, results) for mix in results["mixes"].values()}
+    commands = {"full": "`make compare`", "quick": "`make compare COMPARE_ARGS=--quick`"}
+    return " and ".join(commands[mode] for mode in ("full", "quick") if mode in modes)
+
+
 def mix_title(name: str, mix: dict, mode: str) -> str:
     seeds = len(mix["seeds"])
     measured = f"; at {mix['commit']}, {mix['wall_s'] / 60:.0f} min" if "commit" in mix else ""
@@ -202,13 +214,13 @@ def goal_lines(results: dict) -> list[str]:
 def render(results: dict) -> str:
     """The full markdown report: per mix its batchings, learning-rate grids and comparisons; then the goals."""
     parts = [
-        f"Measured by `make compare{' COMPARE_ARGS=--quick' if results['mode'] == 'quick' else ''}` at "
+        f"Measured by {compare_command(results)} (each mix's protocol in its title) at "
         f"{results['commit']} ({results['machine']}, {results['jobs']} runs at once, one core and thread each; "
         f"{results['wall_s'] / 60:.0f} min). Mean ± sd over training seeds; taus on the test prompts; learning rates "
         "chosen on dev."
     ]
     for name, mix in results["mixes"].items():
-        parts += ["", mix_title(name, mix, results["mode"]), "", *batching_table(mix), "", *grid_table(mix), ""]
+        parts += ["", mix_title(name, mix, mode_of(mix, results)), "", *batching_table(mix), "", *grid_table(mix), ""]
         parts += against_table(mix)
     parts += ["", "Goals (at mean - sd):", "", *goal_lines(results)]
     return "\n".join(parts)
@@ -221,9 +233,9 @@ def readme_block(results: dict) -> str:
         entries = [mix["batchings"][each] for each in BATCHINGS]
         cells = [f"{pm(entry['final_tau'])} ({entry['documents'] / entry['train_s']:.0f} doc/s)" for entry in entries]
         gap = mix["against"][mix["strongest"]]["gap"]
-        rows.append([name, *cells, f"{pm(gap)} vs {mix['strongest']}"])
+        rows.append([f"{name} ({mode_of(mix, results)})", *cells, f"{pm(gap)} vs {mix['strongest']}"])
     lines = [
-        f"`make compare{' COMPARE_ARGS=--quick' if results['mode'] == 'quick' else ''}` at {results['commit']}, "
+        f"{compare_command(results)} at {results['commit']}, "
         "mean ± sd over training seeds, greedy tau on the test prompts, learning rates chosen on dev:",
         "",
         *table(["mix", *BATCHINGS, "packed - strongest at equal time"], rows),
@@ -249,14 +261,16 @@ def block_of(text: str, where: str) -> str:
 def merge(published: dict, results: dict) -> dict:
     """The published results with the mixes of ``results`` measured anew, the others kept as they were.
 
-    Each mix keeps the commit and minutes it was measured at (``commit`` and ``wall_s`` of the mix, else of its
-    run); the merged ``commit`` names each mix's when they differ and ``wall_s`` is their sum.
+    Each mix keeps the commit, minutes and protocol (``mode``: full or quick, which its title and the README
+    state) it was measured at (``commit``, ``wall_s`` and ``mode`` of the mix, else of its run); the merged
+    ``commit`` names each mix's when they differ, ``wall_s`` is their sum and ``mode`` is ``mixed`` when theirs
+    differ.
 
     Raises:
-        ValueError: when the two were measured under another protocol (mode, learning-rate grid, machine or
-            runs at once): such results replace the published ones whole or not at all.
+        ValueError: when the two were measured under another learning-rate grid, machine or runs at once: such
+            results replace the published ones whole or not at all.
     """
-    for key in ("mode", "lr_grid", "machine", "jobs"):
+    for key in ("lr_grid", "machine", "jobs"):
         if published[key] != results[key]:
             raise ValueError(
                 f"the published results have {key}={published[key]!r} and these {results[key]!r}: "
@@ -264,7 +278,8 @@ def merge(published: dict, results: dict) -> dict:
             )
 
     def stamped(run: dict) -> dict:
-        return {name: {"commit": run["commit"], "wall_s": run["wall_s"], **mix} for name, mix in run["mixes"].items()}
+        keys = ("commit", "wall_s", "mode")
+        return {name: {**{key: run[key] for key in keys}, **mix} for name, mix in run["mixes"].items()}
 
     mixes = {**stamped(published), **stamped(results)}
     commits = [(name, mix["commit"]) for name, mix in mixes.items()]
@@ -277,6 +292,7 @@ def merge(published: dict, results: dict) -> dict:
             else ", ".join(f"{commit} ({name})" for name, commit in commits)
         ),
         "wall_s": sum(mix["wall_s"] for mix in mixes.values()),
+        "mode": modes.pop() if len(modes := {mix["mode"] for mix in mixes.values()}) == 1 else "mixed",
     }
     return finish(merged)
 
@@ -344,7 +360,7 @@ def draw(results: dict, path: Path = PICTURE) -> Path:
                 facecolors="none",
                 edgecolors=colors[batching],
             )
-        top.set_title(f"{name} mix: mean ± sd over {len(mix['seeds'])} seeds ({results['mode']})")
+        top.set_title(f"{name} mix: mean ± sd over {len(mix['seeds'])} seeds ({mode_of(mix, results)})")
         top.set_xlabel("training seconds (one core each; evaluations excluded)")
         top.set_ylabel("greedy tau, test prompts (exact)")
         top.grid(alpha=0.3)

@@ -154,8 +154,17 @@ def test_publishing_one_mix_keeps_the_others_with_the_commit_each_was_measured_a
     assert merged["commit"] == f"{demo['commit']} (demo), abcdef0 (skewed)"
     assert merged["wall_s"] == pytest.approx(demo["wall_s"] + 600.0)
     assert "at abcdef0, 10 min" in packing_report.render(merged)
-    with pytest.raises(ValueError, match="mode='full'.*'quick'"):
-        packing_report.merge(published, dict(rerun, mode="quick"))
+    with pytest.raises(ValueError, match="jobs=2.*4"):
+        packing_report.merge(published, dict(rerun, jobs=4))
+    # A mix measured under the quick protocol keeps it, in its title and the README's row; the others keep theirs.
+    quick = packing_report.merge(published, dict(rerun, mode="quick"))
+    assert [quick["mixes"][name]["mode"] for name in ("demo", "skewed")] == ["full", "quick"]
+    assert quick["mode"] == "mixed"
+    assert "**skewed** mix (quick: 3 seeds" in packing_report.render(quick)
+    assert "**demo** mix (full: 3 seeds" in packing_report.render(quick)
+    readme = packing_report.readme_block(quick)
+    assert "| skewed (quick) |" in readme and "| demo (full) |" in readme
+    assert readme.startswith("`make compare` and `make compare COMPARE_ARGS=--quick` at ")
 
 
 def test_publishing_one_mix_returns_every_mix_for_the_picture(tmp_path, monkeypatch):
