@@ -83,10 +83,9 @@ MIXES = {
 }
 
 
-# The long-tailed mix runs only when named (--mix longtail): writing its data regenerates every turn of
-# conversations up to 2,048 tokens, a turn the target answers otherwise than planned decoded token by token without
-# a KV cache; with packed decoding (which took the skewed mix from 7.7 to 2.2 minutes) it still had not finished
-# in 25 minutes on 2 cores (sharing them with a test run).
+# The long-tailed mix runs only when named (--mix longtail): writing its data regenerates every turn of 8,714
+# planned exchanges without a KV cache, which took 60 minutes on 2 cores at 6287a0d (demo/multiturn.py), once per
+# machine (outputs/compare/longtail_data is kept).
 DEFAULT = ("demo", "skewed")
 
 
