@@ -3,7 +3,8 @@
 Run: ``make compare`` (every mix, three seeds) or ``make compare COMPARE_ARGS=--quick`` (the demo mix, two seeds,
 fewer epochs); ``--publish`` also writes the tables into README.md and docs/packing.md and keeps the results in
 ``docs/compare/packing_value.json`` (the file the README's numbers are rendered from, tested). A run of some mixes
-(``COMPARE_ARGS="--mix skewed --publish"``) replaces only theirs: each mix keeps the commit it was measured at.
+(``COMPARE_ARGS="--mix skewed --publish"``) replaces only theirs: each mix keeps the commit and protocol (full or
+quick) it was measured at.
 
 The protocol, per data mix (``MIXES``), for ``packed``, ``grouped``, ``dynamic`` and ``upstream``
 (``recipe_args.batching``, ``nemo_automodel_ext/run/batching.py``):
