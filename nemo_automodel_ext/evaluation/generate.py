@@ -165,7 +165,9 @@ def _decode(model, prompts, budgets, eos_token_id, max_batch_tokens, guess: Gues
             guessed.append((guess(context, left - 1) or guesses_next[index])[: left - 1])
             contexts.append(context)
         rows = packed_predictions(
-            model, [[*context, *tokens] for context, tokens in zip(contexts, guessed)], max_batch_tokens=max_batch_tokens
+            model,
+            [[*context, *tokens] for context, tokens in zip(contexts, guessed)],
+            max_batch_tokens=max_batch_tokens,
         )
         for index, context, guessed_tokens, row in zip(active, contexts, guessed, rows):
             left = budgets[index] - len(results[index])
@@ -277,12 +279,12 @@ def _verify_guesses(model, prompts, guesses, max_new_tokens, eos_token_id, max_b
             raise ValueError(f"prompts[{index}] is empty: a continuation needs at least one prompt token")
     rows = packed_predictions(
         model,
-        [[*prompt, *guess[:max_new_tokens]] for prompt, guess in zip(prompts, guesses)],
+        [[*prompt, *planned[:max_new_tokens]] for prompt, planned in zip(prompts, guesses)],
         max_batch_tokens=max_batch_tokens,
     )
     verified = [
-        follow_guess(row, len(prompt), guess, max_new_tokens, eos_token_id)
-        for row, prompt, guess in zip(rows, prompts, guesses)
+        follow_guess(row, len(prompt), planned, max_new_tokens, eos_token_id)
+        for row, prompt, planned in zip(rows, prompts, guesses)
     ]
     return finish_greedy(model, prompts, verified, max_new_tokens, eos_token_id, max_batch_tokens, guess)
 
