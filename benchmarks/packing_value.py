@@ -85,7 +85,7 @@ MIXES = {
 
 
 # The long-tailed mix runs only when named (--mix longtail): writing its data regenerates every turn of 8,714
-# planned exchanges without a KV cache, which took 60 minutes on 2 cores at 6287a0d (demo/multiturn.py), once per
+# planned exchanges without a KV cache, which took 34 minutes on 2 cores (60 at 6287a0d; demo/multiturn.py), once per
 # machine (outputs/compare/longtail_data is kept).
 DEFAULT = ("demo", "skewed")
 
