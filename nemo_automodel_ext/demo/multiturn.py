@@ -24,9 +24,10 @@ a turn the target answers otherwise than planned is decoded with guesses (``tiny
 decoding). The ``SKEWED`` mix took 2.2 minutes on 2 cores (7.7 before decoding ran packed); ``LONG_TAILED`` took
 60 minutes (train 43, val and dev 17, partly sharing the cores) at 6287a0d, whose guesses took 40 of its
 conversations from 995 forwards to 571 (358 to 114 s); f1ec575's counting guess takes them to 316 (69 s), with
-byte-identical text. The whole mix then took 34 minutes (train 26), and 1 of the 600 train conversations differs from 6287a0d's at
-one turn: a near tie (logits 10.46 and 10.34) where the other forwards' row widths moved the indexer's selection;
-the new text is what decoding that conversation alone with ``causal_logits`` gives.
+byte-identical text. The whole mix then took 34 minutes (train 26); val and dev were byte-identical, and 1 of the
+600 train conversations differs from 6287a0d's at one turn: a near tie (logits 10.46 and 10.34) where the other
+forwards' row widths moved the indexer's selection; the new text is what decoding that conversation alone with
+``causal_logits`` gives.
 """
 
 from __future__ import annotations
