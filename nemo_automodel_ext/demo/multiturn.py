@@ -33,7 +33,9 @@ forwards' row widths moved the indexer's selection; the new text is what decodin
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -116,6 +118,46 @@ def ensure_multiturn_mix(
     write_staged(directory, write)
     ensure_dev_split(directory, val_samples, lambda rng, exclude: plan_turns(rng, "val", turns(rng, mix), exclude))
     return Path(directory)
+
+
+def end_at_last_answer(conversation: dict) -> dict:
+    """``conversation`` cut after its last non-empty assistant answer: a prompt the evaluator can score.
+
+    The evaluator scores a conversation's last assistant turn (``read_eval_sequences``). The demo target, trained on
+    single turns, leaves most multi-turn answers empty (EOS alone: nothing to draft), so 42 of ``LONG_TAILED``'s 60
+    test conversations would each add the same one-token score; cut, every one is scored on an answer.
+
+    Args:
+        conversation: ``{"messages": [...]}``, OpenAI roles.
+
+    Returns:
+        A new ``{"messages": [...]}`` ending with the last assistant message whose content is not blank (the
+        caller's dict is not modified).
+
+    Raises:
+        ValueError: when no assistant answer is non-empty.
+    """
+    messages = conversation["messages"]
+    answered = [i for i, m in enumerate(messages) if m["role"] == "assistant" and m["content"].strip()]
+    if not answered:
+        raise ValueError("a conversation has no non-empty assistant answer to end at")
+    return {**conversation, "messages": [dict(m) for m in messages[: answered[-1] + 1]]}
+
+
+def answered_prompts(source: str | Path, destination: str | Path) -> Path:
+    """Write ``source``'s conversations (JSONL), each cut by ``end_at_last_answer``, to ``destination`` (atomically,
+    unless it exists). Returns ``Path(destination)``."""
+    destination = Path(destination)
+    if not destination.exists():
+        lines = Path(source).read_text().splitlines()
+        try:
+            cut = [end_at_last_answer(json.loads(line)) for line in lines]
+        except ValueError as error:
+            raise ValueError(f"{source}: {error}") from None
+        staging = destination.with_suffix(".partial")
+        write_jsonl(staging, cut)
+        os.replace(staging, destination)
+    return destination
 
 
 def main() -> None:

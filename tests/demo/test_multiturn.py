@@ -5,8 +5,17 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from nemo_automodel_ext.demo.demo_target import load_demo_target
-from nemo_automodel_ext.demo.multiturn import LONG_TAILED, MAX_TURNS, ensure_multiturn_mix, turns
+from nemo_automodel_ext.demo.multiturn import (
+    LONG_TAILED,
+    MAX_TURNS,
+    answered_prompts,
+    end_at_last_answer,
+    ensure_multiturn_mix,
+    turns,
+)
 from nemo_automodel_ext.demo.tiny_assets import regenerate
 from nemo_automodel_ext.demo.tiny_tasks import build_tokenizer, held_out
 
@@ -24,6 +33,30 @@ def test_the_long_tailed_mix_reaches_the_row():
     drawn = [turns(random.Random(seed), LONG_TAILED) for seed in range(4000)]
     assert sorted(drawn)[len(drawn) // 2] == 9 and max(drawn) == LONG_TAILED.max_turns
     assert 0.01 <= sum(d >= 60 for d in drawn) / len(drawn) <= 0.05
+
+
+def test_a_scored_prompt_ends_at_its_last_non_empty_answer(tmp_path):
+    """The long-tailed mix's test and dev prompts (``answered_prompts``): every conversation cut after its last
+    non-empty answer, so the evaluator (which scores the last assistant turn) never scores an answer that is EOS
+    alone; the caller's conversation is left as it was, and one with nothing answered is refused by file."""
+
+    def exchange(prompt, answer):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+    conversation = {"messages": exchange("a", "1 2") + exchange("b", "") + exchange("c", "3") + exchange("d", " ")}
+    kept = json.dumps(conversation)
+    cut = end_at_last_answer(conversation)
+    assert cut["messages"] == conversation["messages"][:6] and json.dumps(conversation) == kept
+    source = tmp_path / "val.jsonl"
+    source.write_text(json.dumps(conversation) + "\n" + json.dumps({"messages": exchange("e", "4")}) + "\n")
+    written = answered_prompts(source, tmp_path / "val_answered.jsonl")
+    rows = [json.loads(line)["messages"] for line in written.read_text().splitlines()]
+    assert rows == [cut["messages"], exchange("e", "4")]
+    assert not list(tmp_path.glob("*.partial"))
+    source.write_text(json.dumps({"messages": exchange("a", "") + exchange("b", "")}) + "\n")
+    with pytest.raises(ValueError, match="val.jsonl: a conversation has no non-empty assistant answer"):
+        answered_prompts(source, tmp_path / "other.jsonl")
+    assert not (tmp_path / "other.jsonl").exists()
 
 
 def test_validation_prompts_are_held_out_and_every_answer_is_the_target_s(tmp_path):
