@@ -52,6 +52,11 @@ REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("memory", "draft_flops", "recipe", "capture")
 #: Seconds a section needs at least to be started (a section started later would pass the run's limit).
 SECTION_MIN_S = {"memory": 60, "draft_flops": 45, "recipe": 120, "capture": 45}
+#: (c)'s capture row lengths and draft-step (anchors, tokens) points: two of every fitted slope on the GPU. ``--quick``
+#: checks the script with small rows and one draft step (each step costs about 30 s on CPU at Flash widths, whatever
+#: its size); CI re-measures the fits themselves at their stored points (``tests/planning/test_calibration.py``).
+MEMORY_TOKENS, QUICK_TOKENS = (2048, 4096, 8192), (128, 256)
+MEMORY_STEPS, QUICK_STEPS = ((64, 2048), (256, 2048), (64, 8192)), ((8, 256),)
 GIB = 2**30
 
 
@@ -118,8 +123,8 @@ def memory_section(device: str, quick: bool) -> dict[str, Any]:
     from nemo_automodel_ext.planning import calibration as cal
 
     coefficients = cal.load_calibration()["coefficients"]
-    tokens = (128, 256) if quick else (2048, 4096, 8192)
-    steps = ((8, 256), (16, 256), (8, 512)) if quick else ((64, 2048), (256, 2048), (64, 8192))
+    tokens = QUICK_TOKENS if quick else MEMORY_TOKENS
+    steps = QUICK_STEPS if quick else MEMORY_STEPS
     rows: list[dict[str, Any]] = []
     with cal.cpu_stand_ins(math_sdpa=device == "cpu"):
         target = cal.build_calibration_target(device=device)
@@ -209,14 +214,16 @@ def memory_section(device: str, quick: bool) -> dict[str, Any]:
 
 
 def time_draft_step(cal, trainer, anchors: int, count: int, device: str, quick: bool, peak_tflops: float) -> dict:
-    """FLOPs (``FlopCounterMode``) and best seconds of one draft step after a warm-up (``quick``: one timed run)."""
+    """FLOPs (``FlopCounterMode``) and best seconds of one draft step after a warm-up (``quick``: the seconds of the
+    counted run itself, which checks the script, not the speed)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
+    started = time.perf_counter()
     cal.run_draft_step(trainer, anchors, count, counter)
     flops = counter.get_total_flops()
-    timings = []
-    for _ in range(1 if quick else 4):  # on CUDA the first is a warm-up
+    timings = [time.perf_counter() - started] if quick else []  # quick: the counted run's seconds (a script check)
+    for _ in range(0 if quick else 4):  # on CUDA the first is a warm-up
         if device == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
