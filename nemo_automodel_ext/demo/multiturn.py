@@ -125,7 +125,7 @@ def end_at_last_answer(conversation: dict) -> dict:
 
     The evaluator scores a conversation's last assistant turn (``read_eval_sequences``). The demo target, trained on
     single turns, leaves most multi-turn answers empty (EOS alone: nothing to draft), so 42 of ``LONG_TAILED``'s 60
-    test conversations would each add the same one-token score; cut, every one is scored on an answer.
+    test conversations would each be scored on an answer of EOS alone; cut, every one is scored on an answer.
 
     Args:
         conversation: ``{"messages": [...]}``, OpenAI roles.
@@ -146,9 +146,9 @@ def end_at_last_answer(conversation: dict) -> dict:
 
 def answered_prompts(source: str | Path, destination: str | Path) -> Path:
     """Write ``source``'s conversations (JSONL), each cut by ``end_at_last_answer``, to ``destination`` (atomically,
-    unless it exists). Returns ``Path(destination)``."""
+    unless it exists and is newer than ``source``). Returns ``Path(destination)``."""
     destination = Path(destination)
-    if not destination.exists():
+    if not destination.exists() or destination.stat().st_mtime_ns < Path(source).stat().st_mtime_ns:
         lines = Path(source).read_text().splitlines()
         try:
             cut = [end_at_last_answer(json.loads(line)) for line in lines]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -53,6 +54,10 @@ def test_a_scored_prompt_ends_at_its_last_non_empty_answer(tmp_path):
     rows = [json.loads(line)["messages"] for line in written.read_text().splitlines()]
     assert rows == [cut["messages"], exchange("e", "4")]
     assert not list(tmp_path.glob("*.partial"))
+    source.write_text(json.dumps({"messages": exchange("f", "5")}) + "\n")  # a source rewritten later: cut again
+    os.utime(source, ns=(written.stat().st_mtime_ns + 1, written.stat().st_mtime_ns + 1))
+    rows = [json.loads(line)["messages"] for line in answered_prompts(source, written).read_text().splitlines()]
+    assert rows == [exchange("f", "5")]
     source.write_text(json.dumps({"messages": exchange("a", "") + exchange("b", "")}) + "\n")
     with pytest.raises(ValueError, match="val.jsonl: a conversation has no non-empty assistant answer"):
         answered_prompts(source, tmp_path / "other.jsonl")
