@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -154,9 +153,7 @@ def answered_prompts(source: str | Path, destination: str | Path) -> Path:
             cut = [end_at_last_answer(json.loads(line)) for line in lines]
         except ValueError as error:
             raise ValueError(f"{source}: {error}") from None
-        staging = destination.with_suffix(".partial")
-        write_jsonl(staging, cut)
-        os.replace(staging, destination)
+        write_jsonl(destination, cut)
     return destination
 
 

@@ -115,8 +115,12 @@ def write_staged(directory: str | os.PathLike, write) -> Path:
 
 
 def write_jsonl(path: Path, samples: list[dict]) -> None:
-    with open(path, "w") as handle:
+    """Write ``samples`` one JSON a line to ``path`` atomically: a hidden ``.partial`` sibling, renamed when done
+    (an interrupted write leaves no ``path`` that looks complete)."""
+    partial = path.with_name(f".{path.name}.partial")
+    with open(partial, "w") as handle:
         handle.writelines(json.dumps(sample) + "\n" for sample in samples)
+    os.replace(partial, path)
 
 
 def ensure_tiny_assets(directory: str | os.PathLike, *, seed: int = 0, train_samples: int = 6000) -> Path:
@@ -284,9 +288,7 @@ def ensure_dev_split(directory: str | Path, count: int, plan, *, seed: int = 1_0
     }
     rng = random.Random(seed)
     plans = [plan(rng, exclude) for _ in range(count)]
-    partial = path.with_name(".dev.jsonl.partial")
-    write_jsonl(partial, regenerate_turns(load_demo_target(), build_tokenizer(), plans))
-    partial.rename(path)
+    write_jsonl(path, regenerate_turns(load_demo_target(), build_tokenizer(), plans))
     return path
 
 
