@@ -13,9 +13,11 @@ The protocol, per data mix (``MIXES``), for ``packed``, ``grouped``, ``dynamic``
   ``grouped`` fill micro-batches to it and pad to the batch's longest; ``upstream`` pads every conversation to the
   mix's longest and takes the rows that fit the budget;
 - **the same wall-clock budget**: ``packed`` trains the mix's epochs; its median training seconds over its
-  learning-rate grid are the budget, and every other batching trains the whole epochs that fit it (its seconds an
-  epoch measured first, on a quarter of the data), its schedule planned for them;
-- **learning rates chosen on dev**: each batching trains at every rate of ``LR_GRID`` (the first seed) and keeps
+  learning-rate grid are the budget, and every other batching trains the optimizer steps that fit it (its seconds
+  a step measured first, on a quarter of the data), stopping inside an epoch where the budget ends
+  (``recipe_args.max_steps``), its schedule planned for those steps;
+- **learning rates chosen on dev**: each batching trains at every rate of its mix's grid (``Mix.grid``, the first
+  seed) and keeps
   the one whose final draft has the highest greedy tau on the mix's ``dev.jsonl`` (held-out prompts in neither
   training nor the test set); a grid whose best is at an edge is extended by a factor 2 beyond it (twice at most);
 - **seeds**: the chosen rate is trained again with the other seeds (``shuffle_seed``: the draft's init and the
@@ -68,13 +70,15 @@ EVALS = 6  # in-run test evaluations a run (besides every epoch's end)
 @dataclass(frozen=True)
 class Mix:
     """A data mix: packed row width, rows a micro-batch (the token budget is their product), packed epochs;
-    ``answered``: test and dev conversations end at their last non-empty answer (``multiturn.answered_prompts``)."""
+    ``answered``: test and dev conversations end at their last non-empty answer (``multiturn.answered_prompts``);
+    ``grid``: the learning rates every batching trains first (then extended at an edge)."""
 
     row: int
     rows: int
     epochs: int
     quick_epochs: int
     answered: bool = False
+    grid: tuple[float, ...] = LR_GRID
 
 
 # demo: the demo's single-turn data (12-44 tokens); skewed: multi-turn, 18-312 tokens (demo/multiturn.py SKEWED);
@@ -85,7 +89,9 @@ MIXES = {
     # the demo target leaves 65% of the long-tailed test conversations' last answers empty (EOS alone): cut at
     # their last answer, all 60 are scored on something to draft (skewed keeps the uncut files its published
     # results were measured on)
-    "longtail": Mix(row=2048, rows=1, epochs=4, quick_epochs=2, answered=True),
+    # its grid starts where LR_GRID ended: on the first seed's dev grids (LR_GRID, extended) every batching's best
+    # rate was 2e-2 or above (packed 8e-2, dynamic 4e-2, grouped and upstream 2e-2; docs/packing.md)
+    "longtail": Mix(row=2048, rows=1, epochs=4, quick_epochs=2, answered=True, grid=(1e-2, 2e-2, 4e-2, 8e-2)),
 }
 
 
@@ -150,6 +156,15 @@ def shape(batching: str, mix: Mix, counted: list[int], longest: int) -> Shape:
     return Shape(mix.row, 0, mix.rows, len(sampler))
 
 
+def within_budget(budget_s: float, step_s: float, steps_an_epoch: int) -> tuple[int, int]:
+    """A baseline's optimizer steps in ``budget_s`` training seconds at ``step_s`` a step (at least one), and the
+    epochs they start (``recipe_args.num_epochs``; the last one stops at the steps, ``recipe_args.max_steps``)."""
+    if step_s <= 0:
+        raise ValueError(f"the probe measured {step_s} s a step; it must be positive")
+    steps = max(1, round(budget_s / step_s))
+    return steps, math.ceil(steps / steps_an_epoch)
+
+
 class Cores:
     """One run a core: each job holds a CPU of this process's affinity while it runs."""
 
@@ -188,6 +203,13 @@ class Job:
     data: dict
     probe: bool = False
     tag: str = ""  # a prefix of the run's folder name
+    max_steps: int | None = None  # the run stops after these optimizer steps (recipe_args.max_steps)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps the run trains (``steps_an_epoch`` an estimate for packed)."""
+        planned = self.epochs * self.shape.steps_an_epoch
+        return planned if self.max_steps is None else min(planned, self.max_steps)
 
     @property
     def output(self) -> Path:
@@ -198,7 +220,7 @@ class Job:
 def overrides(job: Job, train_path: Path) -> list[str]:
     """The tiny recipe's command-line overrides of ``job``: its batching's shape, epochs, seed and rate; the test
     prompts (``val.jsonl``) as the in-run evaluation, never dev (dev scores only the final draft, ``dev_command``)."""
-    every = max(1, job.epochs * job.shape.steps_an_epoch // EVALS)
+    every = max(1, job.steps // EVALS)
     output = job.output
     return [
         f"--recipe_args.tiny_assets_dir={ASSETS}",
@@ -211,6 +233,7 @@ def overrides(job: Job, train_path: Path) -> list[str]:
         f"--recipe_args.packed_sequence_size={job.shape.packed_sequence_size}",
         f"--recipe_args.micro_batch_size={job.shape.micro_batch_size}",
         f"--recipe_args.num_epochs={job.epochs}",
+        *([] if job.max_steps is None else [f"--recipe_args.max_steps={job.max_steps}"]),
         f"--recipe_args.shuffle_seed={job.seed}",
         f"--optimizer.lr={job.lr}",
         *(
@@ -296,6 +319,7 @@ class Protocol:
         self.shapes = {batching: shape(batching, self.spec, counted, longest) for batching in BATCHINGS}
         self.budget_s: float | None = None
         self.budget_ready = threading.Event()
+        self.max_steps: dict[str, int] = {}  # each baseline's optimizer steps within the budget
 
     def run(self, job: Job) -> dict:
         return self.pool.submit(train, job, self.cores).result()
@@ -305,21 +329,22 @@ class Protocol:
         return [future.result() for future in futures]
 
     def job(self, batching: str, lr: float, seed: int, epochs: int, probe: bool = False) -> Job:
-        return Job(self.mix, batching, lr, seed, epochs, self.shapes[batching], self.data, probe)
+        steps = self.max_steps.get(batching)
+        return Job(self.mix, batching, lr, seed, epochs, self.shapes[batching], self.data, probe, max_steps=steps)
 
     def batching(self, batching: str) -> dict:
-        """Epochs within the budget, the learning-rate grid on dev (extended at an edge), then the other seeds."""
+        """Steps within the budget, the learning-rate grid on dev (extended at an edge), then the other seeds."""
         seed = self.seeds[0]
+        steps_an_epoch = self.shapes[batching].steps_an_epoch
         if batching == "packed":
-            epochs, epoch_s = self.epochs, None
+            epochs, epoch_s, steps = self.epochs, None, None
         else:
-            probe = self.run(self.job(batching, LR_GRID[1], seed, 1, probe=True))
-            epoch_s = probe["step_s"] * self.shapes[batching].steps_an_epoch
+            probe = self.run(self.job(batching, self.spec.grid[1], seed, 1, probe=True))
+            epoch_s = probe["step_s"] * steps_an_epoch
             self.budget_ready.wait()
-            if epoch_s <= 0:
-                raise ValueError(f"{self.mix}/{batching}: the probe measured {epoch_s} s an epoch; it must be positive")
-            epochs = max(1, round(self.budget_s / epoch_s))
-        grid = self.runs([self.job(batching, lr, seed, epochs) for lr in LR_GRID])
+            steps, epochs = within_budget(self.budget_s, probe["step_s"], steps_an_epoch)
+            self.max_steps[batching] = steps
+        grid = self.runs([self.job(batching, lr, seed, epochs) for lr in self.spec.grid])
         try:
             for _ in range(2):  # extend an edge optimum by a factor 2 beyond it
                 grid.sort(key=lambda run: run["lr"])
@@ -335,7 +360,15 @@ class Protocol:
         grid.sort(key=lambda run: run["lr"])
         chosen = max(grid, key=lambda run: run["dev_tau"])
         seeds = [chosen, *self.runs([self.job(batching, chosen["lr"], each, epochs) for each in self.seeds[1:]])]
-        return {"epochs": epochs, "epoch_s": epoch_s, "lr": chosen["lr"], "grid": grid, "seeds": seeds}
+        trained = epochs if steps is None else round(steps / steps_an_epoch, 2)  # epochs, a fraction when capped
+        return {
+            "epochs": trained,
+            "epoch_s": epoch_s,
+            "max_steps": steps,
+            "lr": chosen["lr"],
+            "grid": grid,
+            "seeds": seeds,
+        }
 
     def measure(self) -> dict:
         with ThreadPoolExecutor(len(BATCHINGS)) as drivers:
@@ -345,6 +378,7 @@ class Protocol:
         return {
             "budget_s": self.budget_s,
             "token_budget": self.spec.row * self.spec.rows,
+            "lr_grid": list(self.spec.grid),
             "shapes": shapes,
             "batchings": batchings,
             "seeds": list(self.seeds),

@@ -86,6 +86,24 @@ def test_runs_are_scored_on_test_in_the_run_and_on_dev_only_at_their_end(tmp_pat
     assert command[command.index("--data") + 1] == str(data["dev"])
 
 
+def test_a_baseline_stops_at_the_budget_inside_an_epoch(tmp_path):
+    """The longtail compare's first seed gave baselines whole epochs: upstream trained 461 s against packed's 132 s
+    budget (600 steps of 767 ms). A baseline now trains the steps the budget holds, inside an epoch, with its
+    in-run evaluations spread over those steps."""
+    assert packing_value.within_budget(132.0, 0.767, 600) == (172, 1)
+    assert packing_value.within_budget(132.0, 0.553, 161) == (239, 2)  # dynamic: into its second epoch
+    assert packing_value.within_budget(1.0, 5.0, 10) == (1, 1)
+    with pytest.raises(ValueError, match="s a step"):
+        packing_value.within_budget(1.0, 0.0, 10)
+    shape = packing_value.Shape(2048, 0, 1, 600)
+    job = packing_value.Job("longtail", "upstream", 2e-2, 42, 1, shape, {"test": tmp_path / "val.jsonl"}, max_steps=172)
+    arguments = packing_value.overrides(job, tmp_path / "train.jsonl")
+    assert "--recipe_args.max_steps=172" in arguments and "--recipe_args.num_epochs=1" in arguments
+    assert f"--recipe_args.eval_every_steps={172 // packing_value.EVALS}" in arguments
+    packed = packing_value.Job("longtail", "packed", 2e-2, 42, 2, shape, {"test": tmp_path / "val.jsonl"})
+    assert not any("max_steps" in argument for argument in packing_value.overrides(packed, tmp_path / "t.jsonl"))
+
+
 def test_every_batching_gets_the_same_token_budget():
     counted = [20, 30, 40, 12] * 50
     mix = packing_value.MIXES["demo"]

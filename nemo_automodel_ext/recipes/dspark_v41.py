@@ -25,6 +25,7 @@ Run it with the framework's CLI: ``automodel recipes/deepseek_v41/dspark_tiny_cp
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 from types import SimpleNamespace
@@ -67,7 +68,7 @@ from nemo_automodel_ext.recipes.loop_hooks import PackedDSparkLoopHooks
 from nemo_automodel_ext.recipes.parallel import draft_mesh, expert_mesh, parallelize_draft
 from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWindow, quiet_upstream_step_lines
 from nemo_automodel_ext.recipes.refusals import report_refusal
-from nemo_automodel_ext.recipes.resume import ResumedEpochLoader
+from nemo_automodel_ext.recipes.resume import ResumedEpochLoader, batches_in_epoch
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
 from nemo_automodel_ext.run.batching import build_token_budget_dataloader, token_budget
 from nemo_automodel_ext.run.config import section_get, validate_recipe_config
@@ -255,7 +256,14 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         # accumulation holds no unsharded fp32 draft gradients (docs/scaling.md, "Gradient accumulation").
         self.defer_fsdp_grad_sync = bool(args["defer_fsdp_grad_sync"])
         batches = len(self.train_dataloader)
-        self.total_optim_steps = max(1, self.num_epochs * optim_steps_per_epoch(batches, self.grad_accumulation_steps))
+        steps_per_epoch = optim_steps_per_epoch(batches, self.grad_accumulation_steps)
+        # max_steps: the run stops after that many optimizer steps, inside an epoch if it falls there (the loader
+        # stops with it: resume.batches_in_epoch), and the schedule is planned for the steps the run trains.
+        self.max_steps = args["max_steps"]
+        if self.max_steps is not None and self.max_steps < self.num_epochs * steps_per_epoch:
+            self.num_epochs = -(-self.max_steps // steps_per_epoch)
+        steps = self.num_epochs * steps_per_epoch
+        self.total_optim_steps = max(1, steps if self.max_steps is None else min(steps, self.max_steps))
         warmup_steps = _resolve_warmup_steps(float(opt_cfg.get("warmup_ratio", 0.05)), self.total_optim_steps)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
@@ -281,7 +289,16 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         self.load_checkpoint(self.cfg.get("checkpoint.restore_from", None))
         self._trailing, self._micro_since_step = TrailingWindow(self.block_size, self.device), 0
         self.train_dataloader = ResumedEpochLoader(
-            self.train_dataloader, self._consumed_batches_in_epoch(batches), on_epoch_start=self._trailing.reset
+            self.train_dataloader,
+            self._consumed_batches_in_epoch(batches),
+            on_epoch_start=self._trailing.reset,
+            epoch=self._resume_epoch,
+            batches_in_epoch=functools.partial(
+                batches_in_epoch,
+                batches=batches,
+                grad_accumulation_steps=self.grad_accumulation_steps,
+                max_steps=self.max_steps,
+            ),
         )
         # Upstream's loop logs on the main rank only; the other ranks keep no metric files open.
         self.metric_logger = (

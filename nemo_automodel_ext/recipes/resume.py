@@ -1,5 +1,6 @@
-"""Exact mid-epoch resume (a dataloader that starts where the restored checkpoint left its epoch), and
-which checkpoint a failed run can safely resume from (``resume_advice``)."""
+"""Exact mid-epoch resume (a dataloader that starts where the restored checkpoint left its epoch, and stops
+where ``recipe_args.max_steps`` ends the run), and which checkpoint a failed run can safely resume from
+(``resume_advice``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,21 @@ import re
 from pathlib import Path
 
 import torch
+from nemo_automodel.recipes.llm._spec_train_utils import optim_steps_per_epoch
 from safetensors.torch import load_file
+
+
+def batches_in_epoch(epoch: int, batches: int, grad_accumulation_steps: int, max_steps: int | None) -> int:
+    """Micro-batches epoch ``epoch`` trains when the run stops after ``max_steps`` optimizer steps.
+
+    Every epoch before the one where ``max_steps`` falls trains all ``batches`` (``optim_steps_per_epoch`` steps,
+    the last one flushing a partial accumulation window); that epoch trains the full windows of its remaining
+    steps, so the run stops on an optimizer step; later epochs train none. ``max_steps`` None: ``batches``.
+    """
+    if max_steps is None:
+        return batches
+    remaining = int(max_steps) - epoch * optim_steps_per_epoch(batches, grad_accumulation_steps)
+    return max(0, min(batches, remaining * grad_accumulation_steps))
 
 
 class ResumedEpochLoader:
@@ -23,12 +38,18 @@ class ResumedEpochLoader:
         loader: The epoch's DataLoader (deterministic order per epoch: ``sampler.set_epoch``).
         skip: Micro-batches to skip in the first epoch iterated.
         on_epoch_start: Optional callable run each time an epoch's iteration starts.
+        epoch: Index of the first epoch iterated (the resumed one); each iteration starts the next.
+        batches_in_epoch: Optional ``epoch -> micro-batches`` that epoch trains (``batches_in_epoch``: a run that
+            stops inside an epoch); None: every batch of every epoch. ``len`` is the current epoch's count, so the
+            loop's last batch of an epoch is the last one trained.
     """
 
-    def __init__(self, loader, skip: int, on_epoch_start=None) -> None:
+    def __init__(self, loader, skip: int, on_epoch_start=None, epoch: int = 0, batches_in_epoch=None) -> None:
         self.loader = loader
         self.skip = int(skip)
         self.on_epoch_start = on_epoch_start
+        self.epoch = int(epoch)
+        self.batches_in_epoch = batches_in_epoch
 
     @property
     def sampler(self):
@@ -40,18 +61,25 @@ class ResumedEpochLoader:
     def dataset(self):
         return self.loader.dataset
 
+    def _stop(self) -> int:
+        full = len(self.loader)
+        return full if self.batches_in_epoch is None else min(full, self.batches_in_epoch(self.epoch))
+
     def __len__(self) -> int:
-        return len(self.loader) - self.skip
+        return max(0, self._stop() - self.skip)
 
     def __iter__(self):
         if self.on_epoch_start is not None:
             self.on_epoch_start()
+        stop = self._stop()
+        self.epoch += 1
         if not self.skip:
-            return iter(self.loader)
+            iterator = iter(self.loader)
+            return iterator if stop == len(self.loader) else itertools.islice(iterator, stop)
         with torch.random.fork_rng(devices=[]):
             iterator = iter(self.loader)
         skip, self.skip = self.skip, 0
-        return itertools.islice(iterator, skip, None)
+        return itertools.islice(iterator, skip, max(skip, stop))
 
 
 def _step_of(checkpoint: Path) -> int:

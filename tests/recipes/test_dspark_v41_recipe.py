@@ -671,3 +671,41 @@ def test_token_budget_batchings_train_every_document_once_and_resume_exactly(uni
         reference = records[record["step"] - 1]
         assert record["data_checksum"] == reference["data_checksum"]
         assert record["loss"] == pytest.approx(reference["loss"], abs=1e-6)
+
+
+def test_max_steps_stops_inside_an_epoch_with_its_schedule_and_resumes_there(uninterrupted):
+    """``recipe_args.max_steps``: 100 conversations a row each (about 10 steps an epoch at accumulation 2), 3 epochs
+    capped at 13 steps. The run stops at step 13 inside its second epoch, on a full window, after its schedule's
+    last step (lr at ``min_lr_ratio``), evaluates and checkpoints there; resumed from step 12 it trains step 13
+    alone, with the same loss and data."""
+    workdir, _, _ = uninterrupted
+    small = first_conversations(workdir, "small_capped.jsonl", 100)
+    common = (
+        f"--recipe_args.train_data_path={small}",
+        "--recipe_args.micro_batch_size=1",
+        "--recipe_args.grad_accumulation_steps=2",
+        "--recipe_args.num_epochs=3",
+        "--recipe_args.max_steps=13",
+        "--recipe_args.ckpt_every_steps=12",
+        "--optimizer.warmup_ratio=0",  # one warmup step (upstream floors a ratio's warmup at 20 steps)
+    )
+    run_tiny_recipe(workdir, "capped", *common)
+    records = read_metrics(workdir / "capped")
+    assert [record["step"] for record in records] == list(range(1, 14))
+    assert records[-1]["epoch"] == 1 and records[0]["epoch"] == 0
+    # the schedule ends at the YAML's lr x min_lr_ratio on step 13: planned for the 13 steps, not the epochs' 30
+    assert records[-1]["lr"] == pytest.approx(1.5e-2 * 0.1) and records[-2]["lr"] > 1.5e-2 * 0.1
+    evals = [record for record in read_records(workdir / "capped") if record.get("split") == "val"]
+    assert evals[-1]["step"] == 13
+    checkpoints = {path.name for path in (workdir / "capped" / "checkpoints").glob("epoch_*_step_*")}
+    assert "epoch_1_step_12" in checkpoints and any(name.endswith("_step_13") for name in checkpoints), checkpoints
+    run_tiny_recipe(
+        workdir,
+        "capped_resumed",
+        *common,
+        f"--checkpoint.restore_from={workdir / 'capped/checkpoints/epoch_1_step_12'}",
+    )
+    resumed = read_metrics(workdir / "capped_resumed")
+    assert [record["step"] for record in resumed] == [13]
+    assert resumed[0]["data_checksum"] == records[-1]["data_checksum"]
+    assert resumed[0]["loss"] == pytest.approx(records[-1]["loss"], abs=1e-6)
