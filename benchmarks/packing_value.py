@@ -23,7 +23,7 @@ The protocol, per data mix (``MIXES``), for ``packed``, ``grouped``, ``dynamic``
 - **seeds**: the chosen rate is trained again with the other seeds (``shuffle_seed``: the draft's init and the
   data order); every figure is the mean ± sd over seeds (sd with n - 1);
 - **reported on test only**: greedy tau on the mix's ``val.jsonl`` (the test prompts), measured in the run every
-  sixth of it (``train_s``: training seconds, evaluations left out);
+  sixth of it, on the same packed batches for every batching (``train_s``: training seconds, evaluations left out);
 - **goals at mean - sd**, against the strongest baseline (the highest mean final test tau): packed's tau minus the
   baseline's at equal training time is >= 0 on every mix, and packed reaches the baseline's final test tau in at
   most half the baseline's time on the long-tailed mix (the pessimistic end: mean + sd of the ratio <= 0.5).

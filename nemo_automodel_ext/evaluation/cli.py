@@ -33,6 +33,7 @@ from nemo_automodel_ext.models.deepseek_v41.dspark_draft import DeepseekV41Packe
 from nemo_automodel_ext.models.deepseek_v41.target_wrapper import DeepseekV41DSparkTargetModel
 from nemo_automodel_ext.models.deepseek_v41.tiny import cpu_backend
 from nemo_automodel_ext.quiet import quiet_sglang_warning
+from nemo_automodel_ext.run.batching import evaluation_row_width
 from nemo_automodel_ext.run.config import validate_recipe_config
 from nemo_automodel_ext.run.draft_checkpoint import check_draft_structure, released_draft_shapes
 from nemo_automodel_ext.run.loading import (
@@ -264,7 +265,7 @@ def evaluate_checkpoints(
         raise ValueError(f"--output {output}: the folder {output.parent} does not exist")
     run = load_run(latest, torch.device(device), target_path)
     data_path, sequences = evaluation_sequences(run, data, limit)
-    width = int(run.args["packed_sequence_size"] or run.args["seq_length"])
+    width = evaluation_row_width(run.args)
     pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     batches = pack_sequences(sequences, width, 8, pad)
     drafts = {"untrained (init)": None, **row_names(chosen)}

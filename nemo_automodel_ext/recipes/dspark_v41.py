@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from nemo_automodel._transformers.auto_tokenizer import NeMoAutoTokenizer
-from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_dataloader
 from nemo_automodel.components.distributed.init_utils import initialize_distributed
 from nemo_automodel.components.loggers.log_utils import setup_logging
 from nemo_automodel.components.loggers.metric_logger import build_metric_logger
@@ -70,7 +69,7 @@ from nemo_automodel_ext.recipes.progress import ProgressMetricLogger, TrailingWi
 from nemo_automodel_ext.recipes.refusals import report_refusal
 from nemo_automodel_ext.recipes.resume import ResumedEpochLoader, batches_in_epoch
 from nemo_automodel_ext.registry import resolve_dspark_target_wrapper
-from nemo_automodel_ext.run.batching import build_token_budget_dataloader, token_budget
+from nemo_automodel_ext.run.batching import build_recipe_dataloader
 from nemo_automodel_ext.run.config import section_get, validate_recipe_config
 from nemo_automodel_ext.run.data_checks import check_recipe_data, require_a_batch_per_rank
 from nemo_automodel_ext.run.loading import (
@@ -370,44 +369,9 @@ class TrainPackedDSparkV41Recipe(PackedDSparkLoopHooks, TrainDSparkRecipe):
         return model.eval().requires_grad_(False)
 
     def _build_dataloader(self, args: dict[str, Any], path: str, split: str | None, train: bool):
-        """The batching ``recipe_args.batching`` names (``run/batching.py``): upstream's packed or padded loader,
-        or one conversation a row within a token budget (``dynamic``, ``grouped``)."""
-        if args["batching"] in ("dynamic", "grouped"):
-            dp = self.dp_mesh
-            distributed = dist.is_initialized()
-            return build_token_budget_dataloader(
-                data_path=path,
-                tokenizer=self.tokenizer,
-                seq_length=int(args["seq_length"]),
-                budget=token_budget(args),
-                grouped=args["batching"] == "grouped" and train,
-                shuffle=train,
-                shuffle_seed=int(args["shuffle_seed"]),
-                epochs=int(args["num_epochs"]),
-                split=split,
-                mask_reasoning_content=bool(args["mask_reasoning_content"]),
-                mask_generation_prompt=bool(args["mask_generation_prompt"]),
-                num_replicas=(dp.size() if dp is not None else dist.get_world_size()) if distributed else 1,
-                rank=(dp.get_local_rank() if dp is not None else dist.get_rank()) if distributed else 0,
-                num_workers=int(args["num_workers"]),
-            )
-        return build_eagle3_dataloader(
-            data_path=path,
-            tokenizer=self.tokenizer,
-            seq_length=int(args["seq_length"]),
-            batch_size=int(args["micro_batch_size"]),
-            shuffle=train,
-            num_workers=int(args["num_workers"]),
-            split=split,
-            # A DistributedSampler even on one rank: its order depends on (seed, epoch) only, which
-            # is what lets a resumed run continue an epoch exactly where the checkpoint left it.
-            distributed=dist.is_initialized(),
-            shuffle_seed=args["shuffle_seed"],
-            mask_reasoning_content=bool(args["mask_reasoning_content"]),
-            mask_generation_prompt=bool(args["mask_generation_prompt"]),
-            packed_sequence_size=self.packed_sequence_size,
-            dp_mesh=self.dp_mesh,
-        )
+        """Training batches as ``recipe_args.batching`` names, held-out prompts packed alike for every batching
+        (``run/batching.py``)."""
+        return build_recipe_dataloader(args, self.tokenizer, path, split, train, self.dp_mesh)
 
     def _build_draft(self, args: dict[str, Any], text, architectures: list[str]) -> DeepseekV41PackedDSparkModel:
         return build_packed_draft(

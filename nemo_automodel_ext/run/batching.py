@@ -16,6 +16,11 @@
 masking supervision into it), so they run the same capture and draft code as packed rows: the
 comparison of batchings measures the batching, not two code paths (a fair baseline is not a slow one).
 
+Held-out prompts are batched alike whatever the training batching (``build_recipe_dataloader``): packed in
+order into rows of ``evaluation_row_width`` (the packed row, else ``seq_length``), as the evaluator CLI packs them,
+so every batching's draft is scored on the same layout, and upstream's padding (one conversation a row of
+``seq_length``) never multiplies the cost of an evaluation.
+
 ``TokenBudgetBatchSampler`` gives every conversation exactly once an epoch, the same number of
 micro-batches in every epoch and on every data-parallel rank (batches are split, never merged, to
 reach it), and a deterministic order per ``(seed, epoch)``, so a resumed run continues an epoch
@@ -46,6 +51,12 @@ def token_budget(args: dict[str, Any]) -> int:
     ``seq_length x micro_batch_size`` (a packed micro-batch's tokens)."""
     budget = args.get("tokens_per_micro_batch")
     return int(budget) if budget is not None else int(args["seq_length"]) * int(args["micro_batch_size"])
+
+
+def evaluation_row_width(args: dict[str, Any]) -> int:
+    """Columns of a row held-out prompts are packed into for acceptance, whatever ``recipe_args.batching``: the
+    packed row (``packed_sequence_size``), else ``seq_length`` (a conversation's most tokens)."""
+    return int(args["packed_sequence_size"] or args["seq_length"])
 
 
 def fill_to_budget(order: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -245,10 +256,70 @@ def build_token_budget_dataloader(
     )
 
 
+def build_recipe_dataloader(
+    args: dict[str, Any], tokenizer, path: str, split: str | None, train: bool, dp_mesh=None
+) -> DataLoader:
+    """The recipe's loader of ``path``: for training, the batching ``recipe_args.batching`` names (upstream's packed
+    or padded loader, or ``build_token_budget_dataloader``); for held-out prompts (``train=False``), upstream's
+    packed loader in order at ``evaluation_row_width`` for every batching, ``micro_batch_size`` rows a batch.
+
+    Args:
+        args: Validated ``recipe_args``.
+        dp_mesh: The data-parallel mesh, or None (every rank is a data-parallel rank when distributed).
+
+    Returns:
+        A DataLoader of packed batches in the recipe's format (new tensors per batch); each data-parallel rank
+        reads its share.
+    """
+    from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_dataloader
+
+    distributed = torch.distributed.is_initialized()
+    if train and args["batching"] in ("dynamic", "grouped"):
+        return build_token_budget_dataloader(
+            data_path=path,
+            tokenizer=tokenizer,
+            seq_length=int(args["seq_length"]),
+            budget=token_budget(args),
+            grouped=args["batching"] == "grouped",
+            shuffle=True,
+            shuffle_seed=int(args["shuffle_seed"]),
+            epochs=int(args["num_epochs"]),
+            split=split,
+            mask_reasoning_content=bool(args["mask_reasoning_content"]),
+            mask_generation_prompt=bool(args["mask_generation_prompt"]),
+            num_replicas=(dp_mesh.size() if dp_mesh is not None else torch.distributed.get_world_size())
+            if distributed
+            else 1,
+            rank=(dp_mesh.get_local_rank() if dp_mesh is not None else torch.distributed.get_rank())
+            if distributed
+            else 0,
+            num_workers=int(args["num_workers"]),
+        )
+    return build_eagle3_dataloader(
+        data_path=path,
+        tokenizer=tokenizer,
+        seq_length=int(args["seq_length"]),
+        batch_size=int(args["micro_batch_size"]),
+        shuffle=train,
+        num_workers=int(args["num_workers"]),
+        split=split,
+        # A DistributedSampler even on one rank: its order depends on (seed, epoch) only, which is what lets a
+        # resumed run continue an epoch exactly where the checkpoint left it.
+        distributed=distributed,
+        shuffle_seed=args["shuffle_seed"],
+        mask_reasoning_content=bool(args["mask_reasoning_content"]),
+        mask_generation_prompt=bool(args["mask_generation_prompt"]),
+        packed_sequence_size=int(args["packed_sequence_size"] or 0) if train else evaluation_row_width(args),
+        dp_mesh=dp_mesh,
+    )
+
+
 __all__ = [
     "BATCHINGS",
     "TokenBudgetBatchSampler",
+    "build_recipe_dataloader",
     "build_token_budget_dataloader",
+    "evaluation_row_width",
     "fill_to_budget",
     "one_document_rows",
     "resolve_batching",

@@ -663,6 +663,15 @@ def test_token_budget_batchings_train_every_document_once_and_resume_exactly(uni
     records = read_metrics(workdir / batching)
     assert records[-1]["documents"] == 300 and len(records) >= 8
     assert records[-1]["captured_tokens"] <= len(records) * 128 * 8  # within the token budget every step
+    # Its held-out prompts are packed as the evaluator packs them (run/batching.py), not batched as it trains: the
+    # run's own evaluation at its last step is the evaluator's on that checkpoint.
+    from nemo_automodel_ext.evaluation.cli import evaluate_checkpoints
+
+    last = Path(resolve_restore_from_to_checkpoint_dir(workdir / batching / "checkpoints", "LATEST"))
+    in_run = [r for r in read_records(workdir / batching) if r.get("split") == "val"]
+    assert in_run[-1]["step"] == int(last.name.rsplit("_step_", 1)[1])
+    report = evaluate_checkpoints(last, output=workdir / batching / "exported_eval.json")
+    assert report["greedy"][last.name]["tau"] == pytest.approx(in_run[-1]["greedy_tau"], abs=0.005)
     checkpoint = workdir / batching / "checkpoints" / "epoch_0_step_5"
     run_tiny_recipe(workdir, f"{batching}_resumed", *common, f"--checkpoint.restore_from={checkpoint}")
     resumed = read_metrics(workdir / f"{batching}_resumed")
