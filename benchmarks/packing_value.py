@@ -425,14 +425,26 @@ def main() -> None:
                 **measured,
             }
     results["wall_s"] = time.perf_counter() - started
+    saved, picture = report(results, options.publish)
+    print(f"\npicture: {picture}\nresults: {saved} ({results['wall_s'] / 60:.1f} min)")
+
+
+def report(results: dict, publish: bool) -> tuple[Path, Path]:
+    """Keep ``results`` in ``outputs/compare/`` and print their tables; with ``publish``, also write them into the
+    docs and draw the docs' picture (every published mix: the merged results when some mixes were not run).
+    Without it, the picture goes beside the results: the docs' picture always shows the docs' tables.
+
+    Returns:
+        The results file and the picture.
+    """
     packing_report.finish(results)
     OUT.mkdir(parents=True, exist_ok=True)
     saved = OUT / "packing_value.json"
     saved.write_text(json.dumps(results, indent=1) + "\n")
     print(packing_report.render(results))
-    # The docs' picture shows every published mix: drawn from the merged results when some mixes were not run.
-    drawn = packing_report.publish(results) if options.publish else results
-    print(f"\npicture: {packing_report.draw(drawn)}\nresults: {saved} ({results['wall_s'] / 60:.1f} min)")
+    if publish:
+        return saved, packing_report.draw(packing_report.publish(results))
+    return saved, packing_report.draw(results, OUT / packing_report.PICTURE.name)
 
 
 if __name__ == "__main__":

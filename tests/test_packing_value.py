@@ -190,6 +190,25 @@ def test_publishing_one_mix_keeps_the_others_with_the_commit_each_was_measured_a
     assert readme.startswith("`make compare` and `make compare COMPARE_ARGS=--quick` at ")
 
 
+def test_a_run_without_publish_leaves_the_docs_picture_alone(tmp_path, monkeypatch):
+    """``make compare COMPARE_ARGS=--quick`` (no ``--publish``) once redrew ``docs/images/packed_vs_unpacked.png``
+    from its own run, under the docs' tables of other runs: its picture now goes beside its results."""
+    import copy
+
+    monkeypatch.setattr(packing_value, "OUT", tmp_path / "compare")
+    docs_picture = packing_report.PICTURE.read_bytes()
+    published = {name: (REPO / name).read_text() for name in ("README.md", "docs/packing.md")}
+    results = copy.deepcopy(packing_report.load_published())
+    results["mixes"] = {"demo": results["mixes"]["demo"]}
+    saved, picture = packing_value.report(results, publish=False)
+    assert saved == tmp_path / "compare" / "packing_value.json" and json.loads(saved.read_text())["mixes"].keys() == {
+        "demo"
+    }
+    assert picture == tmp_path / "compare" / packing_report.PICTURE.name and picture.stat().st_size > 10_000
+    assert packing_report.PICTURE.read_bytes() == docs_picture
+    assert all((REPO / name).read_text() == text for name, text in published.items())
+
+
 def test_publishing_one_mix_returns_every_mix_for_the_picture(tmp_path, monkeypatch):
     """``publish`` returns the merged results, which ``packing_value.main`` draws: a run of the skewed mix alone
     once drew a picture without the demo mix beside tables that still had it."""
