@@ -268,8 +268,9 @@ def build_recipe_dataloader(
         dp_mesh: The data-parallel mesh, or None (every rank is a data-parallel rank when distributed).
 
     Returns:
-        A DataLoader of packed batches in the recipe's format (new tensors per batch); each data-parallel rank
-        reads its share.
+        A DataLoader of batches in the recipe's format (new tensors per batch): packed rows, or for ``upstream``
+        training upstream's rows of one conversation padded to ``seq_length``; each data-parallel rank reads its
+        share.
     """
     from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_dataloader
 
