@@ -276,6 +276,11 @@ def build_recipe_dataloader(
 
     distributed = torch.distributed.is_initialized()
     if train and args["batching"] in ("dynamic", "grouped"):
+        replicas, rank = 1, 0
+        if distributed and dp_mesh is not None:
+            replicas, rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        elif distributed:
+            replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         return build_token_budget_dataloader(
             data_path=path,
             tokenizer=tokenizer,
@@ -288,12 +293,8 @@ def build_recipe_dataloader(
             split=split,
             mask_reasoning_content=bool(args["mask_reasoning_content"]),
             mask_generation_prompt=bool(args["mask_generation_prompt"]),
-            num_replicas=(dp_mesh.size() if dp_mesh is not None else torch.distributed.get_world_size())
-            if distributed
-            else 1,
-            rank=(dp_mesh.get_local_rank() if dp_mesh is not None else torch.distributed.get_rank())
-            if distributed
-            else 0,
+            num_replicas=replicas,
+            rank=rank,
             num_workers=int(args["num_workers"]),
         )
     return build_eagle3_dataloader(
