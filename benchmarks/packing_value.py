@@ -248,8 +248,9 @@ def overrides(job: Job, train_path: Path) -> list[str]:
 
 
 def dev_command(job: Job) -> list[str]:
-    """The exact greedy evaluation of ``job``'s final draft on the mix's dev prompts (``dev_eval.json``)."""
-    command = [sys.executable, "-m", "nemo_automodel_ext.evaluation", str(job.output), "--device", "cpu"]
+    """The exact greedy evaluation of ``job``'s final draft on the mix's dev prompts (``dev_eval.json``; the
+    untrained draft left out: nothing reads its dev score)."""
+    command = [sys.executable, "-m", "nemo_automodel_ext.evaluation", str(job.output), "--device", "cpu", "--no-init"]
     return command + ["--data", str(job.data["dev"]), "--output", str(job.output / "dev_eval.json")]
 
 
@@ -275,7 +276,7 @@ def train(job: Job, cores: Cores) -> dict:
     summary.update(lr=job.lr, seed=job.seed, epochs=job.epochs, wall_s=wall)
     if not job.probe:
         dev = json.loads((output / "dev_eval.json").read_text())["greedy"]
-        summary["dev_tau"] = [result["tau"] for name, result in dev.items() if name != "untrained (init)"][-1]
+        summary["dev_tau"] = [result["tau"] for result in dev.values()][-1]  # the final checkpoint's
     print(
         f"[{job.mix}/{job.batching}] {'probe' if job.probe else f'lr {job.lr:g} seed {job.seed}'}: "
         f"{job.epochs} epochs, {summary['step']} steps, {summary['train_s']:.0f} s training"

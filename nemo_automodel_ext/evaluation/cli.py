@@ -248,8 +248,9 @@ def evaluate_checkpoints(
     output: str | Path | None = None,
     target_path: str | None = None,
     device: str = "cpu",
+    init: bool = True,
 ) -> dict:
-    """Evaluate the untrained draft and each checkpoint; print the table, write ``eval.json``.
+    """Evaluate the untrained draft (``init``) and each checkpoint; print the table, write ``eval.json``.
 
     Returns:
         The ``eval.json`` content.
@@ -268,7 +269,7 @@ def evaluate_checkpoints(
     width = evaluation_row_width(run.args)
     pad = run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None else 0
     batches = pack_sequences(sequences, width, 8, pad)
-    drafts = {"untrained (init)": None, **row_names(chosen)}
+    drafts = {**({"untrained (init)": None} if init else {}), **row_names(chosen)}
     built = {name: build_draft(run, checkpoint) for name, checkpoint in drafts.items()}  # every file read first
     results, sampled = {}, {}
     for name, draft in built.items():
@@ -323,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="evaluate against this local target folder instead of the run's")
     parser.add_argument("--output", help="where to write eval.json (default: beside the checkpoints)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--no-init", dest="init", action="store_false", help="leave out the untrained draft (the checkpoints only)"
+    )
     options = parser.parse_args(argv)
     try:
         evaluate_checkpoints(
@@ -336,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             options.output,
             options.target,
             options.device,
+            options.init,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

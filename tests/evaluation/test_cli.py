@@ -79,6 +79,17 @@ def test_cli_sampling_verification(run_dir, capsys, tmp_path):
     assert "sampling verification at temperature 1.0" in capsys.readouterr().out
 
 
+def test_no_init_scores_the_checkpoints_alone_and_alike(run_dir, capsys, tmp_path):
+    run, _, _, _ = run_dir
+    both, alone = tmp_path / "both.json", tmp_path / "alone.json"
+    assert main([str(run), "--limit", "6", "--output", str(both)]) == 0
+    assert main([str(run), "--limit", "6", "--no-init", "--output", str(alone)]) == 0
+    assert "untrained (init)" not in capsys.readouterr().out.split("wrote " + str(both))[1]
+    report, full = json.loads(alone.read_text()), json.loads(both.read_text())
+    assert list(report["greedy"]) == list(report["checkpoints"]) == ["epoch_0_step_120"]
+    assert report["greedy"]["epoch_0_step_120"] == full["greedy"]["epoch_0_step_120"]
+
+
 @pytest.mark.parametrize(
     "change,fragment",
     [
