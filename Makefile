@@ -34,8 +34,9 @@ eval: $(STAMP)
 
 # Two pytest-xdist workers (the CI machine's 2 cores), one thread each and in every run they start (at two
 # threads a worker, their threads outnumbered the cores and the suite ran slower than one process). Tests sharing
-# an expensive fixture, and the Flash-width measurements (up to 13 GB each), keep to one worker by xdist_group.
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+# an expensive fixture, and the Flash-width measurements (up to 13 GB each), keep to one worker by xdist_group;
+# the groups go out in collection order, the longest first (tests/conftest.py FIRST_GROUPS).
+PYTEST_ARGS ?= -n 2 --dist loadgroup --no-loadscope-reorder
 PYTEST_THREADS ?= 1
 test: $(STAMP)
 	OMP_NUM_THREADS=$(PYTEST_THREADS) MKL_NUM_THREADS=$(PYTEST_THREADS) $(PY) -m pytest -q $(PYTEST_ARGS)
