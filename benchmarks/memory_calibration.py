@@ -32,7 +32,7 @@ def main() -> None:
     from nemo_automodel_ext.quiet import install_quiet_filters
 
     install_quiet_filters(cpu_only=True)
-    from nemo_automodel_ext.planning.calibration import calibrate
+    from nemo_automodel_ext.planning.calibration import DRAFT_WINDOWS, calibrate
 
     start = time.perf_counter()
     record = calibrate(log=lambda line: print(f"[{time.perf_counter() - start:5.0f} s] {line}", flush=True))
@@ -40,9 +40,10 @@ def main() -> None:
 
     a, b, c = coefficients["capture"]
     print("\n| capture: tokens | measured MiB | fitted MiB | error |\n| ---: | ---: | ---: | ---: |")
-    for tokens, measured in points["capture"]:
+    for tokens, measured in points["capture"] + points["capture check"]:
         fitted = a + b * tokens + c * tokens * tokens
-        print(f"| {tokens:.0f} | {measured / 2**20:.1f} | {fitted / 2**20:.1f} | {fitted / measured - 1:+.2%} |")
+        check = " (check, not fitted)" if [tokens, measured] in points["capture check"] else ""
+        print(f"| {tokens:.0f}{check} | {measured / 2**20:.1f} | {fitted / 2**20:.1f} | {fitted / measured - 1:+.2%} |")
     a, b, c = coefficients["draft_step"]
     print("\n| draft step: anchors | tokens | measured MiB | fitted MiB | error |")
     print("| ---: | ---: | ---: | ---: | ---: |")
@@ -52,7 +53,7 @@ def main() -> None:
             f"| {anchors:.0f} | {tokens:.0f} | {measured / 2**20:.1f} | {fitted / 2**20:.1f} | "
             f"{fitted / measured - 1:+.2%} |"
         )
-    windows = [key for key in points if key.startswith("draft ") and key != "draft_step"]
+    windows = [f"draft {window}" for window in DRAFT_WINDOWS]
     print("\n| draft step timeline: anchors | tokens | " + " | ".join(f"{key[6:]} MiB" for key in windows) + " |")
     print("| ---: | ---: |" + " ---: |" * len(windows))
     for index, (anchors, tokens, _) in enumerate(points["draft_step"]):

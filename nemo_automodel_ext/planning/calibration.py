@@ -39,7 +39,8 @@ top-6 and top-3, not on the expert count; the routers' fp32 logits add 1.5 KiB a
 a draft token, not counted), and its Engram table lives on one rank (the row-owner lookup's all-to-all buffers
 across ranks are not measured; ``memory_model`` adds them to the block to show they fit under the peak).
 ``benchmarks/memory_calibration.py`` measures and writes ``calibration.json``; ``tests/planning`` re-measures
-enough points to pin every fitted term and pins each coefficient to the stored measurements.
+enough points to pin every fitted term (among them the cheap ``CHECK_TOKENS`` rows, stored but not fitted) and
+pins each coefficient to the stored measurements.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ ENGRAM_ROWS = 4096  # rows of its table (Flash: 384M; activations follow the loo
 # backward, whose bytes grow with the anchors (below it is the frozen head's fp32 copy, a constant).
 DRAFT_STEPS = ((64, 2048), (128, 2048), (256, 2048), (64, 4096), (64, 8192))
 DRAFT_WINDOWS = ("forward", "loss", "layers backward")  # the draft step's timeline (see the module docstring)
+# Capture rows measured and stored beside the fitted ones but never fitted (``capture check``, ``captured check``):
+# the re-measurement test's cheap third point. With TOKENS' first two, 512 tokens pins the capture's three terms
+# as a 4,096-token row does, at an eighth of its cost (77 s against about 600 of one core on 2026-12-07, when
+# the 4,096-token row took 10 of the suite's 45 minutes on 2 cores).
+CHECK_TOKENS = (512,)
 # Expert counts ``calibrate`` does not record among the widths: the routed ones are stand-ins (EXPERTS), and the
 # stored record has never pinned them (activations follow top-k, not the count).
 STAND_IN_WIDTHS = ("draft_experts", "shared_experts")
@@ -471,6 +477,7 @@ def calibrate(log=print) -> dict[str, Any]:
         "draft_gradients": [],
     }
     points.update({f"draft {window}": [] for window in DRAFT_WINDOWS})
+    points.update({"capture check": [], "captured check": []})
     with cpu_stand_ins():
         target = build_calibration_target()
         for tokens in TOKENS:
@@ -478,6 +485,10 @@ def calibrate(log=print) -> dict[str, Any]:
             points["capture"].append([tokens, measured["peak"]])
             points["captured"].append([tokens, measured["captured"]])
             log(f"capture {tokens} tokens: peak {measured['peak'] / 2**20:.1f} MiB")
+        for tokens in CHECK_TOKENS:
+            measured = measure_capture(target, tokens)
+            points["capture check"].append([tokens, measured["peak"]])
+            points["captured check"].append([tokens, measured["captured"]])
         for tokens in MOE_TOKENS:
             points["moe"].append([tokens, measure_moe(target, tokens)])
         del target
@@ -530,6 +541,7 @@ def load_calibration() -> dict[str, Any]:
 
 
 __all__ = [
+    "CHECK_TOKENS",
     "DRAFT_STEPS",
     "DRAFT_WINDOWS",
     "ENGRAM_LAYER",

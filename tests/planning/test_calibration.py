@@ -9,6 +9,7 @@ import torch
 
 from nemo_automodel_ext.planning.allocations import LiveBytes, peak_bytes
 from nemo_automodel_ext.planning.calibration import (
+    CHECK_TOKENS,
     DRAFT_STEPS,
     DRAFT_WINDOWS,
     ENGRAM_LAYER,
@@ -82,22 +83,25 @@ def test_coefficients_are_the_fit_of_the_stored_measurements():
         assert max(points[f"draft {window}"][index][-1] for window in DRAFT_WINDOWS) == peak
         assert all(points[f"draft {window}"][index][:2] == [anchors, tokens] for window in DRAFT_WINDOWS)
     assert coefficients["draft_gradients"] == [max(p[-1] for p in points["draft_gradients"])]
-    # Each measured point is reproduced by its fit within 2%.
+    # Each measured point is reproduced by its fit within 2%, and so is each check row, never fitted.
     a, b, c = coefficients["capture"]
-    for tokens, measured in points["capture"]:
+    for tokens, measured in points["capture"] + points["capture check"]:
         assert a + b * tokens + c * tokens * tokens == pytest.approx(measured, rel=0.02)
     a, b, c = coefficients["draft_step"]
     for anchors, tokens, measured in points["draft_step"]:
         assert a + b * anchors + c * tokens == pytest.approx(measured, rel=0.02)
     assert [p[0] for p in points["capture"]] == list(TOKENS)
     assert [tuple(p[:2]) for p in points["draft_step"]] == [tuple(step) for step in DRAFT_STEPS]
+    # The check rows are stored where calibrate() puts them (no fit reads them).
+    assert [p[0] for p in points["capture check"]] == [p[0] for p in points["captured check"]] == list(CHECK_TOKENS)
 
 
 def test_enough_points_of_every_fitted_term_re_measure_to_the_stored_bytes(flash_widths_alone):
-    """Flash widths on CPU (up to 13 GB resident, about 6 minutes): three capture rows (1k, 2k and 4k tokens: the
-    fit is quadratic, so three points pin its constant, slope and curvature), the draft step at 64 and 128 anchors
-    (the slope in anchors) and at 2k and 4k tokens (the slope in tokens), counted again now, equal the shipped
-    record byte for byte, and so do one MoE block's at two token counts (the bytes a routed pair costs,
+    """Flash widths on CPU (up to 13 GB resident; the suite's longest test, about 20 minutes of one core on a slow
+    day): three capture rows (512, 1k and 2k tokens: the fit is quadratic, so three points pin its constant, slope
+    and curvature; 512 is a stored check row, ``CHECK_TOKENS``), the draft step at 64 and 128 anchors (the slope
+    in anchors) and at 2k and 4k tokens (the slope in tokens), counted again now, equal the
+    shipped record byte for byte, and so do one MoE block's at two token counts (the bytes a routed pair costs,
     ``Estimate.imbalance``), one Engram block's at two (``Estimate.engram_block``) and the optimizer's state. A term
     whose slope drifts (as the draft's anchor slope did when the calibration stood in a fused SDPA for CUDA's math
     kernel) fails here."""
@@ -105,10 +109,10 @@ def test_enough_points_of_every_fitted_term_re_measure_to_the_stored_bytes(flash
     points = record["points"]
     with cpu_stand_ins():
         target = build_calibration_target()
-        for index in (0, 1, 2):
-            measured = measure_capture(target, TOKENS[index])
-            assert [TOKENS[index], measured["peak"]] == points["capture"][index]
-            assert [TOKENS[index], measured["captured"]] == points["captured"][index]
+        rows = [(points["capture"][i], points["captured"][i]) for i in (0, 1)]
+        for (tokens, peak), (_, captured) in [*rows, (points["capture check"][0], points["captured check"][0])]:
+            measured = measure_capture(target, tokens)
+            assert [tokens, measured["peak"], measured["captured"]] == [tokens, peak, captured]
         for index, tokens in enumerate(MOE_TOKENS):  # both points of the bytes a routed pair costs
             assert [tokens, measure_moe(target, tokens)] == points["moe"][index]
         assert target.model.layers[str(ENGRAM_LAYER)].engram is not None  # the capture ran one Engram block
@@ -119,7 +123,7 @@ def test_enough_points_of_every_fitted_term_re_measure_to_the_stored_bytes(flash
         del block
         gc.collect()
         trainer = build_calibration_draft(DRAFT_STEPS[0][0])
-        for index in (0, 1, 3):  # (64, 2048), (128, 2048), (64, 4096)
+        for index in (0, 1, 3):  # (64, 2048), (128, 2048), (64, 4096): 158 s of one core, a 1,024-token step 144
             anchors, tokens = DRAFT_STEPS[index]
             measured = measure_draft_step(trainer, anchors, tokens)
             assert [anchors, tokens, measured["peak"]] == points["draft_step"][index]
