@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -33,14 +32,11 @@ def main() -> None:
     parser.add_argument("--batching", default="grouped", choices=[b for b in packing_value.BATCHINGS if b != "packed"])
     parser.add_argument("--lr", type=float, default=5e-3)
     options = parser.parse_args()
-    spec = packing_value.MIXES[options.mix]
-    data = packing_value.mix_data(options.mix)
-    counted = packing_value.lengths(data["train"])
-    longest = 8 * math.ceil(max(counted + packing_value.lengths(data["test"]) + packing_value.lengths(data["dev"])) / 8)
-    shape = packing_value.shape(options.batching, spec, counted, longest)
     cores = packing_value.Cores(1)
-    job = packing_value.Job(options.mix, options.batching, options.lr, 42, 1, shape, data, probe=True, tag="fidelity_")
+    protocol = packing_value.Protocol(options.mix, False, cores, pool=None)  # the mix's data and shapes, as compare's
+    job = dataclasses.replace(protocol.job(options.batching, options.lr, 42, 1, probe=True), tag="fidelity_")
     probe = packing_value.train(job, cores)
+    data = protocol.data
     quarter = dict(data, train=job.output / "probe.jsonl")  # the probe's own quarter
     rows = [("probe", probe)]
     for name, each in (("run settings, quarter", quarter), ("run settings, whole data, one epoch", data)):
