@@ -51,8 +51,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/step_time.py
 	$(PY) benchmarks/capture_docs.py
 
-# Packed vs unpacked training of the demo draft at the same epochs: greedy tau against training seconds
-# (docs/images/packed_vs_unpacked.png), sampled tau at T=1 over 3 seeds, the goals (benchmarks/packing_value.py).
+# Packed against three unpacked batchings at the same token budget and training time, each tuned on dev, over
+# training seeds: greedy tau on test against training seconds (docs/images/packed_vs_unpacked.png), the goals at
+# mean - sd (benchmarks/packing_value.py; docs/packing.md).
 compare: $(STAMP)
 	$(PY) benchmarks/packing_value.py $(COMPARE_ARGS)
 

@@ -1,8 +1,9 @@
 """Does packing pay, honestly? The four batchings of the tiny recipe, each tuned on a dev split, over seeds.
 
 Run: ``make compare`` (every mix, three seeds) or ``make compare COMPARE_ARGS=--quick`` (the demo mix, two seeds,
-fewer epochs); ``--publish`` also writes the tables into README.md and docs/packing.md and keeps the results in
-``docs/compare/packing_value.json`` (the file the README's numbers are rendered from, tested). A run of some mixes
+fewer epochs: one on the demo mix, ``Mix.quick_epochs``, and three test evaluations a run); ``--publish`` also
+writes the tables into README.md and docs/packing.md and keeps the results in ``docs/compare/packing_value.json``
+(the file the README's numbers are rendered from, tested). A run of some mixes
 (``COMPARE_ARGS="--mix skewed --publish"``) replaces only theirs: each mix keeps the commit and protocol (full or
 quick) it was measured at.
 
@@ -23,7 +24,8 @@ The protocol, per data mix (``MIXES``), for ``packed``, ``grouped``, ``dynamic``
 - **seeds**: the chosen rate is trained again with the other seeds (``shuffle_seed``: the draft's init and the
   data order); every figure is the mean ± sd over seeds (sd with n - 1);
 - **reported on test only**: greedy tau on the mix's ``val.jsonl`` (the test prompts), measured in the run every
-  sixth of it, on the same packed batches for every batching (``train_s``: training seconds, evaluations left out);
+  sixth of it (a third with ``--quick``), on the same packed batches for every batching (``train_s``: training
+  seconds, evaluations left out);
 - **goals at mean - sd**, against the strongest baseline (the highest mean final test tau): packed's tau minus the
   baseline's at equal training time is >= 0 on every mix, and packed reaches the baseline's final test tau in at
   most half the baseline's time on the long-tailed mix (the pessimistic end: mean + sd of the ratio <= 0.5).
@@ -65,6 +67,7 @@ LR_GRID = (2.5e-3, 5e-3, 1e-2, 2e-2)
 SEEDS = (42, 43, 44)
 QUICK_SEEDS = (42, 43)
 EVALS = 6  # in-run test evaluations a run (besides every epoch's end)
+QUICK_EVALS = 3  # --quick: its one-epoch runs evaluate at 0, a third, two thirds and the end
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ class Mix:
 # demo: the demo's single-turn data (12-44 tokens); skewed: multi-turn, 18-312 tokens (demo/multiturn.py SKEWED);
 # longtail: multi-turn, median about 200 tokens, a tail to the 2,048-token row (LONG_TAILED).
 MIXES = {
-    "demo": Mix(row=128, rows=8, epochs=5, quick_epochs=3),
+    "demo": Mix(row=128, rows=8, epochs=5, quick_epochs=1),
     "skewed": Mix(row=512, rows=2, epochs=8, quick_epochs=3),
     # the demo target leaves 65% of the long-tailed test conversations' last answers empty (EOS alone): cut at
     # their last answer, all 60 are scored on something to draft (skewed keeps the uncut files its published
@@ -204,6 +207,7 @@ class Job:
     probe: bool = False
     tag: str = ""  # a prefix of the run's folder name
     max_steps: int | None = None  # the run stops after these optimizer steps (recipe_args.max_steps)
+    evals: int = EVALS  # in-run test evaluations (besides every epoch's end)
 
     @property
     def steps(self) -> int:
@@ -220,7 +224,7 @@ class Job:
 def overrides(job: Job, train_path: Path) -> list[str]:
     """The tiny recipe's command-line overrides of ``job``: its batching's shape, epochs, seed and rate; the test
     prompts (``val.jsonl``) as the in-run evaluation, never dev (dev scores only the final draft, ``dev_command``)."""
-    every = max(1, job.steps // EVALS)
+    every = max(1, job.steps // job.evals)
     output = job.output
     return [
         f"--recipe_args.tiny_assets_dir={ASSETS}",
@@ -314,6 +318,7 @@ class Protocol:
         self.mix, self.spec, self.cores, self.pool = mix, MIXES[mix], cores, pool
         self.epochs = self.spec.quick_epochs if quick else self.spec.epochs
         self.seeds = QUICK_SEEDS if quick else SEEDS
+        self.evals = QUICK_EVALS if quick else EVALS
         self.data = mix_data(mix)
         counted = lengths(self.data["train"])
         longest = 8 * math.ceil(max(counted + lengths(self.data["test"]) + lengths(self.data["dev"])) / 8)
@@ -331,7 +336,8 @@ class Protocol:
 
     def job(self, batching: str, lr: float, seed: int, epochs: int, probe: bool = False) -> Job:
         steps = self.max_steps.get(batching)
-        return Job(self.mix, batching, lr, seed, epochs, self.shapes[batching], self.data, probe, max_steps=steps)
+        shape = self.shapes[batching]
+        return Job(self.mix, batching, lr, seed, epochs, shape, self.data, probe, max_steps=steps, evals=self.evals)
 
     def batching(self, batching: str) -> dict:
         """Steps within the budget, the learning-rate grid on dev (extended at an edge), then the other seeds."""

@@ -104,6 +104,18 @@ def test_a_baseline_stops_at_the_budget_inside_an_epoch(tmp_path):
     assert not any("max_steps" in argument for argument in packing_value.overrides(packed, tmp_path / "t.jsonl"))
 
 
+def test_quick_runs_one_demo_epoch_with_fewer_evaluations(tmp_path):
+    """``--quick`` (15 minutes on 2 cores): the demo mix's packed runs train one epoch and evaluate on test at 0, a
+    third, two thirds and the end; the full protocol keeps its epochs and six evaluations a run."""
+    assert packing_value.MIXES["demo"].quick_epochs == 1 and packing_value.MIXES["demo"].epochs == 5
+    shape = packing_value.Shape(128, 128, 8, 150)
+    data = {"test": tmp_path / "val.jsonl"}
+    quick = packing_value.Job("demo", "packed", 1e-2, 42, 1, shape, data, evals=packing_value.QUICK_EVALS)
+    assert "--recipe_args.eval_every_steps=50" in packing_value.overrides(quick, tmp_path / "train.jsonl")
+    full = packing_value.Job("demo", "packed", 1e-2, 42, 5, shape, data)
+    assert "--recipe_args.eval_every_steps=125" in packing_value.overrides(full, tmp_path / "train.jsonl")
+
+
 def test_every_batching_gets_the_same_token_budget():
     counted = [20, 30, 40, 12] * 50
     mix = packing_value.MIXES["demo"]
