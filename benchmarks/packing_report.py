@@ -122,6 +122,8 @@ def compare_command(results: dict) -> str:
 def mix_title(name: str, mix: dict, mode: str) -> str:
     seeds = len(mix["seeds"])
     measured = f"; at {mix['commit']}, {mix['wall_s'] / 60:.0f} min" if "commit" in mix else ""
+    if mix.get("reused"):  # --resume: the minutes are the last invocation's, not the reused runs'
+        measured += f" resuming {mix['reused']} finished runs"
     return (
         f"**{name}** mix ({mode}: {seeds} seeds; {mix['token_budget']:,} tokens a micro-batch; "
         f"budget {mix['budget_s']:.0f} s, packed's training seconds{measured})"

@@ -5,7 +5,7 @@ fewer epochs: one on the demo mix, ``Mix.quick_epochs``, and three test evaluati
 writes the tables into README.md and docs/packing.md and keeps the results in ``docs/compare/packing_value.json``
 (the file the README's numbers are rendered from, tested). A run of some mixes
 (``COMPARE_ARGS="--mix skewed --publish"``) replaces only theirs: each mix keeps the commit and protocol (full or
-quick) it was measured at.
+quick) it was measured at. ``--resume`` after a stopped run keeps the runs it finished (``train``).
 
 The protocol, per data mix (``MIXES``), for ``packed``, ``grouped``, ``dynamic`` and ``upstream``
 (``recipe_args.batching``, ``nemo_automodel_ext/run/batching.py``):
@@ -258,18 +258,34 @@ def dev_command(job: Job) -> list[str]:
     return command + ["--data", str(job.data["dev"]), "--output", str(job.output / "dev_eval.json")]
 
 
-def train(job: Job, cores: Cores) -> dict:
-    """Train ``job`` pinned to a core, then score its final draft on dev (same core); returns its summary."""
+def finished(job: Job, record: dict) -> dict | None:
+    """The summary a finished run of ``job`` left (``summary.json``, written last), if it was run as ``record``
+    says (the same commands at the same commit); None otherwise: a killed run, or another one in that folder."""
+    saved = job.output / "summary.json"
+    if not saved.exists():
+        return None
+    stored = json.loads(saved.read_text())
+    return stored["summary"] if stored["record"] == record else None
+
+
+def train(job: Job, cores: Cores, resume: bool = False) -> dict:
+    """Train ``job`` pinned to a core, then score its final draft on dev (same core); returns its summary.
+
+    With ``resume``, a run that finished before with the same commands at the same commit is not run again: its
+    ``summary.json`` is returned (``make compare COMPARE_ARGS=--resume`` after a stopped run)."""
     output = job.output
+    train_path = output / "probe.jsonl" if job.probe else job.data["train"]
+    launch = [sys.executable, "-m", "nemo_automodel_ext.launch", str(YAML), *overrides(job, train_path)]
+    record = {"commit": commit(), "launch": launch[1:], "dev": None if job.probe else dev_command(job)[1:]}
+    if resume and (summary := finished(job, record)) is not None:
+        print(f"[{job.mix}/{job.batching}] {'probe' if job.probe else f'lr {job.lr:g} seed {job.seed}'}: reused")
+        return dict(summary, reused=True)
     if output.exists():
         shutil.rmtree(output)  # a new run, not a resumed one
     output.mkdir(parents=True)
-    train_path = job.data["train"]
     if job.probe:  # a quarter of the data, one epoch, no evaluation: seconds a step
-        train_path = output / "probe.jsonl"
         lines = job.data["train"].read_text().splitlines(keepends=True)
         train_path.write_text("".join(lines[: len(lines) // 4]))
-    launch = [sys.executable, "-m", "nemo_automodel_ext.launch", str(YAML), *overrides(job, train_path)]
     with cores.one() as core:
         started = time.perf_counter()
         pinned(launch, core, output / "train.log")
@@ -287,6 +303,9 @@ def train(job: Job, cores: Cores) -> dict:
         + ("" if job.probe else f", dev tau {summary['dev_tau']:.3f}, test tau {summary['points'][-1][2]:.3f}"),
         flush=True,
     )
+    partial = output / "summary.json.partial"  # renamed into place: a killed write leaves no summary.json
+    partial.write_text(json.dumps({"record": record, "summary": summary}) + "\n")
+    partial.replace(output / "summary.json")
     return summary
 
 
@@ -314,8 +333,8 @@ def summarise(output: Path) -> dict:
 class Protocol:
     """One mix's protocol: a driver thread a batching, runs scheduled on ``cores`` by ``pool``."""
 
-    def __init__(self, mix: str, quick: bool, cores: Cores, pool: ThreadPoolExecutor) -> None:
-        self.mix, self.spec, self.cores, self.pool = mix, MIXES[mix], cores, pool
+    def __init__(self, mix: str, quick: bool, cores: Cores, pool: ThreadPoolExecutor, resume: bool = False) -> None:
+        self.mix, self.spec, self.cores, self.pool, self.resume = mix, MIXES[mix], cores, pool, resume
         self.epochs = self.spec.quick_epochs if quick else self.spec.epochs
         self.seeds = QUICK_SEEDS if quick else SEEDS
         self.evals = QUICK_EVALS if quick else EVALS
@@ -326,13 +345,18 @@ class Protocol:
         self.budget_s: float | None = None
         self.budget_ready = threading.Event()
         self.max_steps: dict[str, int] = {}  # each baseline's optimizer steps within the budget
+        self.reused = 0  # runs a stopped run had finished (--resume)
+        self.counting = threading.Lock()
 
     def run(self, job: Job) -> dict:
-        return self.pool.submit(train, job, self.cores).result()
+        return self.runs([job])[0]
 
     def runs(self, jobs: list[Job]) -> list[dict]:
-        futures = [self.pool.submit(train, job, self.cores) for job in jobs]
-        return [future.result() for future in futures]
+        futures = [self.pool.submit(train, job, self.cores, self.resume) for job in jobs]
+        summaries = [future.result() for future in futures]
+        with self.counting:
+            self.reused += sum(bool(summary.get("reused")) for summary in summaries)
+        return summaries
 
     def job(self, batching: str, lr: float, seed: int, epochs: int, probe: bool = False) -> Job:
         steps = self.max_steps.get(batching)
@@ -389,6 +413,7 @@ class Protocol:
             "shapes": shapes,
             "batchings": batchings,
             "seeds": list(self.seeds),
+            "reused": self.reused,
         }
 
 
@@ -404,6 +429,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mix", nargs="+", choices=sorted(MIXES), help=f"mixes to run (default: {', '.join(DEFAULT)})")
     parser.add_argument("--quick", action="store_true", help="the same protocol on fewer seeds and epochs")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs a stopped run finished (same commands, same commit: summary.json) and run the rest",
+    )
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="runs at once, one core each")
     parser.add_argument(
         "--publish",
@@ -425,7 +455,7 @@ def main() -> None:
     with ThreadPoolExecutor(64) as pool:
         for mix in mixes:
             mix_started = time.perf_counter()
-            measured = Protocol(mix, options.quick, cores, pool).measure()
+            measured = Protocol(mix, options.quick, cores, pool, options.resume).measure()
             results["mixes"][mix] = {
                 "commit": results["commit"],
                 "wall_s": time.perf_counter() - mix_started,

@@ -116,6 +116,41 @@ def test_quick_runs_one_demo_epoch_with_fewer_evaluations(tmp_path):
     assert "--recipe_args.eval_every_steps=125" in packing_value.overrides(full, tmp_path / "train.jsonl")
 
 
+def test_resume_keeps_finished_runs_of_the_same_commands_only(tmp_path, monkeypatch):
+    """``--resume`` after a stopped ``make compare``: a run whose ``summary.json`` records the same commands at the
+    same commit is not run again; a killed run (no summary) or one with other settings (here ``max_steps``) is."""
+    monkeypatch.setattr(packing_value, "OUT", tmp_path / "compare")
+    launched = []
+
+    def fake(command, core, log):
+        output = log.parent
+        if "nemo_automodel_ext.launch" in command:
+            launched.append(command)
+            counts = {"captured_tokens": 10, "tokens": 8, "documents": 2, "supervised_slots": 5}
+            records = [{"step": 1, "train_s": 1.0, **counts}, {"step": 2, "train_s": 2.0, **counts}]
+            records.append({"split": "val", "step": 2, "greedy_tau": 2.5, "train_s": 2.0, **counts})
+            (output / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+        else:
+            (output / "dev_eval.json").write_text(json.dumps({"greedy": {"epoch_1_step_2": {"tau": 2.25}}}))
+
+    monkeypatch.setattr(packing_value, "pinned", fake)
+    data = {name: tmp_path / f"{name}.jsonl" for name in ("train", "test", "dev")}
+    job = packing_value.Job("demo", "dynamic", 1e-2, 42, 1, packing_value.Shape(128, 0, 8, 10), data, max_steps=7)
+    cores = packing_value.Cores(1)
+    first = packing_value.train(job, cores, resume=True)
+    assert len(launched) == 1 and first["dev_tau"] == 2.25 and (job.output / "summary.json").exists()
+    again = packing_value.train(job, cores, resume=True)
+    assert len(launched) == 1 and again["reused"] and again["points"] == [list(point) for point in first["points"]]
+    packing_value.train(job, cores)  # without --resume: always run
+    assert len(launched) == 2
+    other = packing_value.Job("demo", "dynamic", 1e-2, 42, 1, job.shape, data, max_steps=8)  # the same folder
+    packing_value.train(other, cores, resume=True)
+    assert len(launched) == 3 and "--recipe_args.max_steps=8" in launched[-1]
+    (other.output / "summary.json").unlink()  # as a run killed before its end leaves it
+    packing_value.train(other, cores, resume=True)
+    assert len(launched) == 4
+
+
 def test_every_batching_gets_the_same_token_budget():
     counted = [20, 30, 40, 12] * 50
     mix = packing_value.MIXES["demo"]
