@@ -39,6 +39,7 @@ DSpark recipe does not run here (``train_dspark`` builds a V4.1 target only thro
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -260,7 +261,7 @@ def dev_command(job: Job) -> list[str]:
 
 def finished(job: Job, record: dict) -> dict | None:
     """The summary a finished run of ``job`` left (``summary.json``, written last), if it was run as ``record``
-    says (the same commands at the same commit); None otherwise: a killed run, or another one in that folder."""
+    says (the same commands, code and data); None otherwise: a killed run, or another one in that folder."""
     saved = job.output / "summary.json"
     if not saved.exists():
         return None
@@ -271,12 +272,14 @@ def finished(job: Job, record: dict) -> dict | None:
 def train(job: Job, cores: Cores, resume: bool = False) -> dict:
     """Train ``job`` pinned to a core, then score its final draft on dev (same core); returns its summary.
 
-    With ``resume``, a run that finished before with the same commands at the same commit is not run again: its
+    With ``resume``, a run that finished before with the same commands, code (the commit and any uncommitted
+    change to it) and data files is not run again: its
     ``summary.json`` is returned (``make compare COMPARE_ARGS=--resume`` after a stopped run)."""
     output = job.output
     train_path = output / "probe.jsonl" if job.probe else job.data["train"]
     launch = [sys.executable, "-m", "nemo_automodel_ext.launch", str(YAML), *overrides(job, train_path)]
-    record = {"commit": commit(), "launch": launch[1:], "dev": None if job.probe else dev_command(job)[1:]}
+    record = {"code": code_state(), "launch": launch[1:], "dev": None if job.probe else dev_command(job)[1:]}
+    record["data"] = {split: hashlib.sha256(path.read_bytes()).hexdigest() for split, path in job.data.items()}
     if resume and (summary := finished(job, record)) is not None:
         print(f"[{job.mix}/{job.batching}] {'probe' if job.probe else f'lr {job.lr:g} seed {job.seed}'}: reused")
         return dict(summary, reused=True)
@@ -425,6 +428,13 @@ def commit() -> str:
     return head + ("+changes" if changed.stdout.strip() else "")
 
 
+def code_state() -> str:
+    """``commit()``, with a digest of the uncommitted changes to tracked files when there are some: two states
+    with different edits on the same commit differ."""
+    diff = subprocess.run(["git", "-C", str(REPO), "diff", "HEAD", "--binary"], capture_output=True).stdout
+    return commit() + (f":{hashlib.sha256(diff).hexdigest()[:16]}" if diff else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mix", nargs="+", choices=sorted(MIXES), help=f"mixes to run (default: {', '.join(DEFAULT)})")
@@ -432,7 +442,7 @@ def main() -> None:
     parser.add_argument(
         "--resume",
         action="store_true",
-        help="keep the runs a stopped run finished (same commands, same commit: summary.json) and run the rest",
+        help="keep the runs a stopped run finished (same commands, code and data: summary.json) and run the rest",
     )
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="runs at once, one core each")
     parser.add_argument(

@@ -117,8 +117,9 @@ def test_quick_runs_one_demo_epoch_with_fewer_evaluations(tmp_path):
 
 
 def test_resume_keeps_finished_runs_of_the_same_commands_only(tmp_path, monkeypatch):
-    """``--resume`` after a stopped ``make compare``: a run whose ``summary.json`` records the same commands at the
-    same commit is not run again; a killed run (no summary) or one with other settings (here ``max_steps``) is."""
+    """``--resume`` after a stopped ``make compare``: a run whose ``summary.json`` records the same commands, code and
+    data is not run again; a killed run (no summary), one with other settings (here ``max_steps``), other data or
+    other code is."""
     monkeypatch.setattr(packing_value, "OUT", tmp_path / "compare")
     launched = []
 
@@ -135,6 +136,8 @@ def test_resume_keeps_finished_runs_of_the_same_commands_only(tmp_path, monkeypa
 
     monkeypatch.setattr(packing_value, "pinned", fake)
     data = {name: tmp_path / f"{name}.jsonl" for name in ("train", "test", "dev")}
+    for path in data.values():
+        path.write_text('{"messages": []}\n')
     job = packing_value.Job("demo", "dynamic", 1e-2, 42, 1, packing_value.Shape(128, 0, 8, 10), data, max_steps=7)
     cores = packing_value.Cores(1)
     first = packing_value.train(job, cores, resume=True)
@@ -149,6 +152,12 @@ def test_resume_keeps_finished_runs_of_the_same_commands_only(tmp_path, monkeypa
     (other.output / "summary.json").unlink()  # as a run killed before its end leaves it
     packing_value.train(other, cores, resume=True)
     assert len(launched) == 4
+    data["dev"].write_text('{"messages": [{"role": "user", "content": "regenerated"}]}\n')  # other data
+    packing_value.train(other, cores, resume=True)
+    assert len(launched) == 5
+    monkeypatch.setattr(packing_value, "code_state", lambda: "0000000+changes:feedface")  # other code
+    packing_value.train(other, cores, resume=True)
+    assert len(launched) == 6
 
 
 def test_every_batching_gets_the_same_token_budget():
