@@ -273,12 +273,13 @@ def train(job: Job, cores: Cores, resume: bool = False) -> dict:
     """Train ``job`` pinned to a core, then score its final draft on dev (same core); returns its summary.
 
     With ``resume``, a run that finished before with the same commands, code (the commit and any uncommitted
-    change to it) and data files is not run again: its
-    ``summary.json`` is returned (``make compare COMPARE_ARGS=--resume`` after a stopped run)."""
+    change to it) and data files is not run again: its ``summary.json`` is returned (``make compare
+    COMPARE_ARGS=--resume`` after a stopped run)."""
     output = job.output
     train_path = output / "probe.jsonl" if job.probe else job.data["train"]
     launch = [sys.executable, "-m", "nemo_automodel_ext.launch", str(YAML), *overrides(job, train_path)]
-    record = {"code": code_state(), "launch": launch[1:], "dev": None if job.probe else dev_command(job)[1:]}
+    dev = None if job.probe else dev_command(job)
+    record = {"code": code_state(), "launch": launch[1:], "dev": None if dev is None else dev[1:]}
     record["data"] = {split: hashlib.sha256(path.read_bytes()).hexdigest() for split, path in job.data.items()}
     if resume and (summary := finished(job, record)) is not None:
         print(f"[{job.mix}/{job.batching}] {'probe' if job.probe else f'lr {job.lr:g} seed {job.seed}'}: reused")
@@ -292,14 +293,14 @@ def train(job: Job, cores: Cores, resume: bool = False) -> dict:
     with cores.one() as core:
         started = time.perf_counter()
         pinned(launch, core, output / "train.log")
-        if not job.probe:
-            pinned(dev_command(job), core, output / "dev_eval.log")
+        if dev is not None:
+            pinned(dev, core, output / "dev_eval.log")
         wall = time.perf_counter() - started
     summary = summarise(output)
     summary.update(lr=job.lr, seed=job.seed, epochs=job.epochs, wall_s=wall)
-    if not job.probe:
-        dev = json.loads((output / "dev_eval.json").read_text())["greedy"]
-        summary["dev_tau"] = [result["tau"] for result in dev.values()][-1]  # the final checkpoint's
+    if dev is not None:
+        scores = json.loads((output / "dev_eval.json").read_text())["greedy"]
+        summary["dev_tau"] = [result["tau"] for result in scores.values()][-1]  # the final checkpoint's
     print(
         f"[{job.mix}/{job.batching}] {'probe' if job.probe else f'lr {job.lr:g} seed {job.seed}'}: "
         f"{job.epochs} epochs, {summary['step']} steps, {summary['train_s']:.0f} s training"
